@@ -1,0 +1,113 @@
+"""One `request` log record per request: who served it, its token IDs, its latencies, its fate.
+
+The record is filled as the request progresses and emitted exactly once, from the handler's
+`finally`, whatever happened (success, upstream error, client disconnect)."""
+from __future__ import annotations
+
+import time
+from array import array
+from typing import Literal
+
+import structlog
+import xxhash
+
+TokenIdPolicy = Literal["full", "hashed", "off"]
+
+
+def hashed_ids(ids: list[int]) -> str:
+    """A short, stable fingerprint of a token-ID list: 16 hex digits of xxh3_64 plus the length."""
+    return f"{xxhash.xxh3_64_hexdigest(array('q', ids).tobytes())}:{len(ids)}"
+
+
+class RequestRecord:
+    __slots__ = ("request_id", "model", "replica", "endpoint", "stream", "status",
+                 "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
+                 "cached_tokens", "finish_reason", "error", "routing", "started_s",
+                 "first_token_s", "last_token_s", "itl_s", "finished_s", "_emitted")
+
+    def __init__(self, request_id: str, endpoint: str) -> None:
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.model: str | None = None
+        self.replica: str | None = None
+        self.stream = False
+        self.status = 200
+        self.prompt_token_ids: list[int] | None = None
+        self.output_token_ids: list[int] = []
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.routing: dict | None = None
+        self.started_s = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.itl_s: list[float] = []
+        self.finished_s: float | None = None
+        self._emitted = False
+
+    def tokens_arrived(self, ids: list[int], now_s: float) -> None:
+        """A streamed event carried `ids`: extend the output and time the gap since the last one."""
+        if not ids:
+            return
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        elif self.last_token_s is not None:
+            self.itl_s.append(now_s - self.last_token_s)
+        self.last_token_s = now_s
+        self.output_token_ids.extend(ids)
+
+    def fail(self, status: int, error: str) -> None:
+        self.status = status
+        self.error = error
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.started_s
+
+    @property
+    def e2e_s(self) -> float:
+        end = self.finished_s if self.finished_s is not None else time.perf_counter()
+        return end - self.started_s
+
+    def as_fields(self, token_ids: TokenIdPolicy) -> dict:
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds * 1000.0, 3)
+
+        fields = {
+            "request_id": self.request_id, "model": self.model, "replica": self.replica,
+            "endpoint": self.endpoint, "stream": self.stream, "status": self.status,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens, "ttft_ms": ms(self.ttft_s), "e2e_ms": ms(self.e2e_s),
+            "itl_mean_ms": ms(sum(self.itl_s) / len(self.itl_s)) if self.itl_s else None,
+            "itl_max_ms": ms(max(self.itl_s)) if self.itl_s else None,
+            "finish_reason": self.finish_reason, "routing": self.routing,
+        }
+        if self.error is not None:
+            fields["error"] = self.error
+        prompt_ids = self.prompt_token_ids
+        if token_ids == "full":
+            fields["prompt_token_ids"] = prompt_ids
+            fields["output_token_ids"] = self.output_token_ids
+        elif token_ids == "hashed":
+            fields["prompt_token_ids"] = None if prompt_ids is None else hashed_ids(prompt_ids)
+            fields["output_token_ids"] = hashed_ids(self.output_token_ids)
+        return fields
+
+
+class RequestLog:
+    """Emits records with the configured token-ID policy; a second emit of one record is a no-op."""
+
+    def __init__(self, token_ids: TokenIdPolicy = "full", logger=None) -> None:
+        self.token_ids = token_ids
+        self._log = logger or structlog.get_logger("kvgate.request")
+
+    def emit(self, record: RequestRecord) -> bool:
+        if record._emitted:
+            return False
+        record._emitted = True
+        if record.finished_s is None:
+            record.finished_s = time.perf_counter()
+        self._log.info("request", **record.as_fields(self.token_ids))
+        return True
