@@ -1,0 +1,1 @@
+"""The kvgate gateway: aiohttp server, tokenization before routing, proxying to replicas, CLI."""

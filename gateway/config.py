@@ -1,0 +1,238 @@
+"""Routing YAML as typed structs: decoded once, validated once, errors naming the key and its line.
+
+msgspec checks keys and types and reports a path (`$.replicas[0].prot`); PyYAML's node tree maps
+that path back to a line, so a user reads `configs/x.yaml:7: replicas[0].prot: unknown key`."""
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Literal, Union
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from routing import POLICIES
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+PositiveSeconds = Annotated[float, Meta(gt=0)]
+
+
+class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    request_timeout_s: PositiveSeconds = 600.0
+    connect_timeout_s: PositiveSeconds = 5.0
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 8 * 1024 * 1024
+
+
+class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    token_ids: Literal["full", "hashed", "off"] = "full"
+
+
+class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    policy: str = "round_robin"
+
+
+class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How `kvgate up` starts a built-in replica for this entry."""
+    model: str
+    threads: Annotated[int, Meta(ge=1, le=1024)] = 1
+    extra_args: list[str] = []
+
+
+class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    url: str
+    model: str
+    tokenizer: str | None = None
+    launch: LaunchSpec | None = None
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or (443 if self.url.startswith("https") else 80)
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
+    logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
+    routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
+    replicas: list[ReplicaSpec]
+
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(replica.model for replica in self.replicas))
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message is ready for a user: `file:line: key: why`."""
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a routing YAML file. FileNotFoundError if it does not exist."""
+    path = Path(path)
+    return parse_config(path.read_text(encoding="utf-8"), str(path))
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{source}:{line}: invalid YAML: {problem}") from None
+    if root is None:
+        raise ConfigError(f"{source}:1: empty config: expected a mapping with a `replicas` list")
+    try:
+        config = msgspec.yaml.decode(text.encode(), type=Config)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc, root, source) from None
+    problems = list(_value_problems(config))
+    if problems:
+        path, why = problems[0]
+        raise ConfigError(f"{source}:{_line_of(root, path)}: {_dotted(path)}: {why}")
+    return config
+
+
+# ---- value checks msgspec cannot express --------------------------------------------------------
+
+def _value_problems(config: Config):
+    if config.routing.policy not in POLICIES:
+        yield (["routing", "policy"],
+               f"unknown policy {config.routing.policy!r} (expected one of: {', '.join(POLICIES)})")
+    if not config.replicas:
+        yield ["replicas"], "must list at least one replica"
+    seen_names: dict[str, int] = {}
+    seen_urls: dict[str, int] = {}
+    for index, replica in enumerate(config.replicas):
+        if not replica.name.strip():
+            yield ["replicas", index, "name"], "must not be empty"
+        if replica.name in seen_names:
+            yield (["replicas", index, "name"],
+                   f"duplicate replica name {replica.name!r} (also replicas[{seen_names[replica.name]}])")
+        seen_names.setdefault(replica.name, index)
+        why = _url_problem(replica.url)
+        if why:
+            yield ["replicas", index, "url"], why
+        elif replica.url.rstrip("/") in seen_urls:
+            yield (["replicas", index, "url"],
+                   f"duplicate url {replica.url!r} (also replicas[{seen_urls[replica.url.rstrip('/')]}])")
+        seen_urls.setdefault(replica.url.rstrip("/"), index)
+        if not replica.model.strip():
+            yield ["replicas", index, "model"], "must not be empty"
+        if replica.launch is not None and not replica.launch.model.strip():
+            yield ["replicas", index, "launch", "model"], "must not be empty"
+        if replica.launch is not None and urlsplit(replica.url).port is None:
+            yield ["replicas", index, "url"], "a replica with `launch` needs an explicit port in its url"
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError when out of range or not a number
+    except ValueError as exc:
+        return f"bad url {url!r}: {exc}"
+    if parts.scheme not in ("http", "https"):
+        return f"bad url {url!r}: scheme must be http or https"
+    if not parts.hostname:
+        return f"bad url {url!r}: no host"
+    if port == 0:
+        return f"bad url {url!r}: port out of range 1-65535"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"bad url {url!r}: give the server's root (http://host:port), not a path"
+    return None
+
+
+# ---- msgspec errors -> file:line: key: why ------------------------------------------------------
+
+_AT = re.compile(r"\s*- at `\$(.*)`$")
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+_MISSING = re.compile(r"Object missing required field `([^`]*)`")
+_PART = re.compile(r"\.([A-Za-z_][\w-]*)|\[(\d+)\]|\.`([^`]*)`")
+
+
+def _validation_error(exc: msgspec.ValidationError, root: yaml.Node, source: str) -> ConfigError:
+    text = str(exc)
+    at = _AT.search(text)
+    path = _parse_path(at.group(1)) if at else []
+    message = text[:at.start()] if at else text
+    if unknown := _UNKNOWN.match(message):
+        key = unknown.group(1)
+        struct = _struct_at(path)
+        expected = ", ".join(struct.__struct_fields__) if struct else "?"
+        path = path + [key]
+        why = f"unknown key (expected one of: {expected})"
+    elif missing := _MISSING.match(message):
+        return ConfigError(f"{source}:{_line_of(root, path)}: {_dotted(path + [missing.group(1)])}: "
+                           "missing required key")
+    else:
+        why = (message[0].lower() + message[1:] if message else "invalid value").replace("`", "")
+        choices = typing.get_args(_unwrap(_type_at(path)))
+        if why.startswith("invalid enum value") and choices:
+            why += f" (expected one of: {', '.join(map(str, choices))})"
+    return ConfigError(f"{source}:{_line_of(root, path)}: {_dotted(path)}: {why}")
+
+
+def _parse_path(text: str) -> list:
+    return [name or backticked if (name or backticked) else int(index)
+            for name, index, backticked in _PART.findall(text)]
+
+
+def _dotted(path: list) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _struct_at(path: list):
+    current = _unwrap(_type_at(path))
+    return current if isinstance(current, type) and issubclass(current, msgspec.Struct) else None
+
+
+def _type_at(path: list):
+    """The type found at `path` inside Config (list indices step into the element type)."""
+    current = Config
+    for part in path:
+        current = _unwrap(current)
+        if isinstance(part, int):
+            args = typing.get_args(current)
+            current = args[0] if args else None
+        elif isinstance(current, type) and issubclass(current, msgspec.Struct):
+            current = typing.get_type_hints(current).get(part)
+        else:
+            return None
+    return current
+
+
+def _unwrap(tp):
+    """Optional[X] -> X (the non-None member), Annotated[X, ...] -> X."""
+    if typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (Union, getattr(__import__("types"), "UnionType", Union)):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = members[0] if len(members) == 1 else tp
+    return tp
+
+
+def _line_of(root: yaml.Node, path: list) -> int:
+    """1-based line of the deepest node along `path` that exists (the key's line for mappings)."""
+    node, line = root, root.start_mark.line + 1
+    for part in path:
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            for key_node, value_node in node.value:
+                if getattr(key_node, "value", None) == part:
+                    line, node = key_node.start_mark.line + 1, value_node
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
