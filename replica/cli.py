@@ -1,0 +1,104 @@
+"""`python -m replica` / `kvgate replica`: load a model, start the engine thread and the HTTP server,
+print one ready line, stop cleanly on SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+
+ROLES = ("mixed", "prefill", "decode")
+IMPLEMENTED_ROLES = ("mixed",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate replica", description="Run one built-in kvgate replica.")
+    parser.add_argument("--model", required=True, help="HF checkpoint dir, FILE.gguf, 'smollm2' or 'tiny'")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: from the model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="queued requests beyond which new ones get 429")
+    parser.add_argument("--max-running", type=int, default=8,
+                        help="sequences decoded concurrently (each holds its own KV cache in v0)")
+    parser.add_argument("--role", choices=ROLES, default="mixed")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.role not in IMPLEMENTED_ROLES:
+        print(f"kvgate replica: --role {args.role} is not implemented yet (only: "
+              f"{', '.join(IMPLEMENTED_ROLES)})", file=sys.stderr)
+        return 2
+    if args.threads < 1 or args.max_waiting < 1 or args.max_running < 1:
+        print("kvgate replica: --threads, --max-waiting and --max-running must be >= 1", file=sys.stderr)
+        return 2
+
+    from observability.logs import configure_logging
+    configure_logging(args.log_level, args.log_format)
+    log = structlog.get_logger("kvgate.replica")
+
+    import torch  # only now: argument errors above answer without paying for torch's import
+
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (e.g. called twice in one process)
+        pass
+
+    from replica.loader import load_model
+
+    try:
+        loaded = load_model(args.model, dtype=getattr(torch, args.dtype), name=args.served_model_name)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvgate replica: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
+    log.info("model_loaded", model=loaded.name, source=loaded.source, max_model_len=loaded.max_model_len,
+             dtype=args.dtype, threads=args.threads)
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        runner = asyncio.run
+    return runner(_serve(args, loaded, log))
+
+
+async def _serve(args, loaded, log) -> int:
+    from aiohttp import web
+
+    from replica.engine import Engine
+    from replica.server import ReplicaServer
+
+    engine = Engine(loaded.model, loaded.config, loaded.tokenizer, max_model_len=loaded.max_model_len,
+                    max_waiting=args.max_waiting, max_running=args.max_running)
+    engine.start()
+    server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
+                           max_model_len=loaded.max_model_len, vocab_size=loaded.config.vocab_size)
+    # handler_cancellation: a client that hangs up on a non-streamed request cancels the handler,
+    # whose `finally` aborts the sequence.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        log.info("replica_ready", model=loaded.name, url=url, role=args.role)
+        print(f"replica ready model={loaded.name} url={url}", flush=True)
+        await stop.wait()
+        log.info("replica_stopping")
+    finally:
+        await runner.cleanup()
+        engine.shutdown()
+    return 0

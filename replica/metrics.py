@@ -1,0 +1,54 @@
+"""The replica's Prometheus metrics under vLLM's names, so the gateway (and any vLLM dashboard)
+reads kvgate replicas and vLLM servers the same way. One CollectorRegistry per server: tests
+and embedded setups run several servers in one process without clashing."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets (seconds), so histograms from both line up.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ReplicaMetrics:
+    def __init__(self, model_name: str, num_running: Callable[[], int], num_waiting: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        running = Gauge("vllm:num_requests_running", "Requests in the engine's running set.",
+                        labels, registry=r)
+        running.labels(model_name).set_function(num_running)
+        waiting = Gauge("vllm:num_requests_waiting", "Requests queued, not yet running.",
+                        labels, registry=r)
+        waiting.labels(model_name).set_function(num_waiting)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
+                                         labels, registry=r).labels(model_name)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
+                                             "Arrival to first generated token.", labels,
+                                             buckets=TTFT_BUCKETS_S, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
+                                             "Time between consecutive generated tokens.", labels,
+                                             buckets=ITL_BUCKETS_S, registry=r).labels(model_name)
+        self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds",
+                                             "Arrival to last token.", labels,
+                                             buckets=E2E_BUCKETS_S, registry=r).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+
+    def request_success(self, finished_reason: str) -> None:
+        self._success.labels(self._model_name, finished_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,340 @@
+"""The built-in replica's OpenAI-compatible HTTP server (aiohttp), speaking vLLM's dialect.
+
+A thin shell around the Engine: validate at the edge (protocol/requests.py), tokenize (off the
+loop when long), submit, and shape the engine's TokenEvents into vLLM's response and SSE chunk
+shapes (including `return_token_ids`). Errors render once, in protocol/http.py's middleware.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from protocol.errors import BadRequest, InternalError, ModelNotFound
+from protocol.http import openai_errors
+from protocol.requests import (AnyRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                               decode_chat, decode_completion, max_new_tokens, message_dicts,
+                               single_prompt, stop_strings)
+from protocol.sse import DONE_EVENT, event
+from replica.engine import FINISH_ABORT, Engine, TokenEvent
+from replica.metrics import CONTENT_TYPE, ReplicaMetrics
+from replica.sampler import SamplingParams
+
+# Texts longer than this are tokenized / templated in a worker thread, not on the event loop.
+OFF_LOOP_CHARS = 4096
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
+_encoder = msgspec.json.Encoder()
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+class ReplicaServer:
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, source: str, max_model_len: int,
+                 vocab_size: int):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.source = source
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.created = int(time.time())
+        self.metrics = ReplicaMetrics(model_name, lambda: engine.num_running, lambda: engine.num_waiting)
+        self._tokenizer_payload = tokenizer.to_payload()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[request_ids, openai_errors], client_max_size=64 << 20)
+        app.on_response_prepare.append(_echo_request_id)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/kvgate/tokenizer", self.tokenizer_payload)
+        return app
+
+    # -- small endpoints ------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvgate",
+                "root": self.source, "parent": None, "max_model_len": self.max_model_len, "permission": []}
+        return json_response({"object": "list", "data": [card]})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def tokenizer_payload(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._tokenizer_payload, content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read(), type=TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            add_special = bool(body.add_special_tokens)
+            ids = await self._off_loop(_chat_chars(chat), self._render_chat, chat, add_special)
+        elif body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self._off_loop(len(body.prompt), self.tokenizer.encode, body.prompt, add_special)
+        else:
+            raise BadRequest("Either `prompt` or `messages` is required.", param="prompt")
+        token_strs = [self.tokenizer.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                              "token_strs": token_strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read(), type=DetokenizeRequest)
+        self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return json_response({"prompt": self.tokenizer.decode(body.tokens)})
+
+    # -- generation -----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = time.monotonic()
+        body = decode_completion(await request.read())
+        self._check_model(body.model)
+        prompt = single_prompt(body)
+        if isinstance(prompt, str):
+            prompt_ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, True)
+        else:
+            self._check_token_ids(prompt, "prompt")
+            prompt_ids = list(prompt)
+        params = self._sampling_params(body, len(prompt_ids), "prompt")
+        echo_text = ""
+        if body.echo:
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        return await self._generate(request, body, prompt_ids, params, arrival_s, chat=False,
+                                    echo_text=echo_text)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = time.monotonic()
+        body = decode_chat(await request.read())
+        self._check_model(body.model)
+        prompt_ids = await self._off_loop(_chat_chars(body), self._render_chat, body, False)
+        params = self._sampling_params(body, len(prompt_ids), "messages")
+        return await self._generate(request, body, prompt_ids, params, arrival_s, chat=True)
+
+    async def _generate(self, request: web.Request, body: AnyRequest, prompt_ids: list[int],
+                        params: SamplingParams, arrival_s: float, *, chat: bool,
+                        echo_text: str = "") -> web.StreamResponse:
+        stream = self.engine.submit(prompt_ids, params)
+        finished = False
+        try:
+            shaper = _Shaper(self, body, request, prompt_ids, chat)
+            events = _timed(stream, self.metrics, len(prompt_ids), arrival_s)
+            if not body.stream:
+                output_ids, text, last = [], [echo_text], None
+                async for ev in events:
+                    output_ids.append(ev.token_id)
+                    text.append(ev.text)
+                    last = ev
+                finished = True
+                return json_response(shaper.full_response("".join(text), output_ids, last))
+            first = await anext(events)  # before prepare: an early failure still gets its HTTP status
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                for chunk in shaper.opening_chunks():
+                    await response.write(event(chunk))
+                output_ids = [first.token_id]
+                await response.write(event(shaper.token_chunk(first, echo_text + first.text, 1)))
+                if first.finish_reason is None:
+                    async for ev in events:
+                        output_ids.append(ev.token_id)
+                        await response.write(event(shaper.token_chunk(ev, ev.text, len(output_ids))))
+                finished = True
+                if shaper.include_usage:
+                    await response.write(event(shaper.usage_chunk(len(output_ids))))
+            except ConnectionResetError:
+                return response  # client went away; `finally` aborts the sequence
+            except Exception as exc:  # headers are sent: report in-band, as vLLM does
+                finished = True
+                err = exc if isinstance(exc, BadRequest) else InternalError(f"{type(exc).__name__}: {exc}")
+                await response.write(event(err.body()))
+            await response.write(DONE_EVENT)
+            await response.write_eof()
+            return response
+        finally:
+            if not finished:  # client went away (or we failed): stop spending compute on it
+                self.engine.abort(stream.request_id)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(model, [self.model_name])
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        # Vectorised enough: min/max are C loops over the list.
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if i < 0 or i >= self.vocab_size)
+            raise BadRequest(f"Token ID {bad} is out of vocabulary (vocab size {self.vocab_size}).",
+                             param=param, code="invalid_token_id")
+
+    def _render_chat(self, body: ChatCompletionRequest, add_special_tokens: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(message_dicts(body),
+                                                      add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="messages") from exc
+        # The template already wrote BOS where the model wants it (vLLM does the same).
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def _off_loop(self, size_chars: int, fn, *args):
+        if size_chars < OFF_LOOP_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+    def _sampling_params(self, body: AnyRequest, prompt_len: int, prompt_param: str) -> SamplingParams:
+        default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) \
+            else max(1, self.max_model_len - prompt_len)
+        max_tokens = max_new_tokens(body, default)
+        if prompt_len + max_tokens > self.max_model_len:
+            where = "messages" if prompt_param == "messages" else "prompt"
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} "
+                f"in the completion). Please reduce the length of the {where} or completion.",
+                param="max_tokens" if prompt_len < self.max_model_len else prompt_param,
+                code="context_length_exceeded")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if not body.top_k else body.top_k,
+            seed=body.seed,
+            stop=stop_strings(body),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+
+def _chat_chars(body: ChatCompletionRequest) -> int:
+    return sum(len(m["content"]) for m in message_dicts(body))
+
+
+async def _timed(stream, metrics: ReplicaMetrics, prompt_len: int, arrival_s: float):
+    """The engine's events, with vLLM's latency metrics and counters recorded on the way."""
+    last_s = None
+    async for ev in stream:
+        if ev.finish_reason == FINISH_ABORT:
+            return
+        now_s = time.monotonic()
+        if last_s is None:
+            metrics.time_to_first_token.observe(now_s - arrival_s)
+            metrics.prompt_tokens.inc(prompt_len)
+        else:
+            metrics.inter_token_latency.observe(now_s - last_s)
+        last_s = now_s
+        metrics.generation_tokens.inc()
+        if ev.finish_reason is not None:
+            metrics.e2e_request_latency.observe(now_s - arrival_s)
+            metrics.request_success(ev.finish_reason)
+        yield ev
+
+
+class _Shaper:
+    """vLLM's response and chunk shapes for one request."""
+
+    def __init__(self, server: ReplicaServer, body: AnyRequest, request: web.Request,
+                 prompt_ids: list[int], chat: bool):
+        self.chat = chat
+        self.prompt_ids = prompt_ids
+        self.return_token_ids = bool(body.return_token_ids)
+        options = body.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        self.base = {"id": prefix + request["request_id"],
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": server.model_name}
+
+    def opening_chunks(self) -> list[dict]:
+        if not self.chat:
+            return []
+        chunk = {**self.base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]}
+        if self.return_token_ids:
+            chunk["prompt_token_ids"] = self.prompt_ids
+        return [chunk]
+
+    def token_chunk(self, ev: TokenEvent, text: str, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                      "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason,
+                      "stop_reason": ev.stop_reason}
+            if self.return_token_ids and completion_tokens == 1:
+                choice["prompt_token_ids"] = self.prompt_ids
+        if self.return_token_ids:
+            choice["token_ids"] = [ev.token_id]
+        chunk = {**self.base, "choices": [choice]}
+        if self.continuous_usage:
+            chunk["usage"] = usage_of(len(self.prompt_ids), completion_tokens)
+        return chunk
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self.base, "choices": [], "usage": usage_of(len(self.prompt_ids), completion_tokens)}
+
+    def full_response(self, text: str, output_ids: list[int], last: TokenEvent | None) -> dict:
+        finish_reason = last.finish_reason if last else None
+        stop_reason = last.stop_reason if last else None
+        token_ids = output_ids if self.return_token_ids else None
+        prompt_ids = self.prompt_ids if self.return_token_ids else None
+        usage = usage_of(len(self.prompt_ids), len(output_ids))
+        if self.chat:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                       "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason, "token_ids": token_ids}
+            return {**self.base, "object": "chat.completion", "choices": [choice], "service_tier": None,
+                    "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+                    "prompt_token_ids": prompt_ids, "kv_transfer_params": None}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+                  "token_ids": token_ids}
+        return {**self.base, "choices": [choice], "usage": usage, "system_fingerprint": None,
+                "kv_transfer_params": None}
+
+
+@web.middleware
+async def request_ids(request: web.Request, handler):
+    """Accept the caller's x-request-id (the gateway sets one) or mint one; echoed on the response."""
+    given = request.headers.get("x-request-id", "")
+    request["request_id"] = given[:128] if given.isprintable() and given else uuid.uuid4().hex
+    return await handler(request)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if "request_id" in request:
+        response.headers["x-request-id"] = request["request_id"]
