@@ -1,0 +1,119 @@
+"""`kvgate` command line: up | serve | replica | check-config.
+
+Each subcommand imports what it needs when it runs: `kvgate replica` is the only one that loads
+torch (through `replica.cli`), so the gateway process stays torch-free."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+EXIT_BAD_CONFIG = 1
+EXIT_MISSING_FILE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="KV-cache-aware gateway for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the built-in replicas of a config, then the gateway")
+    up.add_argument("--config", default=None, help=f"routing YAML (default: {DEFAULT_CONFIG})")
+    up.add_argument("--startup-timeout-s", type=float, default=600.0,
+                    help="how long replicas may take to load before kvgate gives up")
+    serve = sub.add_parser("serve", help="run the gateway alone in front of the replicas in a config")
+    serve.add_argument("--config", required=True, help="routing YAML")
+    sub.add_parser("replica", help="run one built-in replica (see `kvgate replica --help`)", add_help=False)
+    check = sub.add_parser("check-config", help="validate a routing YAML file")
+    check.add_argument("file")
+    return parser
+
+
+def _load(path: str | Path):
+    """The config, or an exit code after printing why not (same message for every subcommand)."""
+    from gateway.config import ConfigError, load_config
+    try:
+        return load_config(path)
+    except FileNotFoundError:
+        print(f"error: {path}: no such file", file=sys.stderr)
+        return EXIT_MISSING_FILE
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "replica":
+        from replica.cli import main as replica_main  # torch loads here, and only here
+        return replica_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "check-config":
+        config = _load(args.file)
+        if isinstance(config, int):
+            return config
+        print(f"ok: {args.file} ({len(config.replicas)} replica{'s' if len(config.replicas) != 1 else ''}, "
+              f"policy {config.routing.policy})")
+        return 0
+    if args.command == "serve":
+        return _serve(args.config)
+    if args.command == "up":
+        return _up(args.config or DEFAULT_CONFIG, args.startup_timeout_s)
+    return 2
+
+
+def _serve(path: str) -> int:
+    config = _load(path)
+    if isinstance(config, int):
+        return config
+    from gateway.server import print_ready, run
+    from observability.logs import configure_logging
+    configure_logging(config.logging.level, config.logging.format)
+    return run(config, on_ready=print_ready(config))
+
+
+def _up(path: str | Path, startup_timeout_s: float) -> int:
+    config = _load(path)
+    if isinstance(config, int):
+        return config
+    from gateway.launcher import LaunchError, Launcher
+    from gateway.server import print_ready, run
+    from observability.logs import configure_logging
+    configure_logging(config.logging.level, config.logging.format)
+    launcher = Launcher(config)
+    try:
+        launcher.start()
+        if launcher.replicas:
+            _wait_with_progress(launcher, startup_timeout_s)
+        return run(config, on_ready=print_ready(config))
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        launcher.stop()
+
+
+def _wait_with_progress(launcher, timeout_s: float) -> None:
+    names = ", ".join(r.spec.name for r in launcher.replicas)
+    print(f"kvgate: starting {len(launcher.replicas)} replica(s): {names} (logs in {launcher.log_dir})",
+          file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        from rich.console import Console
+        with Console(stderr=True).status("loading replicas...") as status:
+            launcher.wait_healthy(timeout_s, lambda waiting, elapsed_s: status.update(
+                f"loading {', '.join(waiting)} ({elapsed_s:.0f} s)"))
+    else:
+        last_report = [0.0]
+
+        def report(waiting: list[str], elapsed_s: float) -> None:
+            if elapsed_s - last_report[0] >= 5.0:
+                last_report[0] = elapsed_s
+                print(f"kvgate: waiting for {', '.join(waiting)} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
+
+        launcher.wait_healthy(timeout_s, report)
+    print("kvgate: replicas healthy", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
