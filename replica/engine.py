@@ -105,6 +105,9 @@ class Engine:
         self._aborted: set[str] = set()
         self._running: list[_Sequence] = []
         self._stopping = False
+        # Totals for /metrics, written by the worker only (reads from the loop are benign races).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         self._ids = itertools.count()
         self._shared_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self._thread = threading.Thread(target=self._run, name="replica-engine", daemon=True)
@@ -205,10 +208,12 @@ class Engine:
             sequence.cache = KVCache(self.config, len(sequence.prompt_token_ids) + sequence.params.max_tokens,
                                      self.dtype)
             input_ids = torch.tensor(sequence.prompt_token_ids, dtype=torch.long)
+            self.prompt_tokens_total += len(sequence.prompt_token_ids)
         else:
             input_ids = torch.tensor(sequence.output_token_ids[-1:], dtype=torch.long)
         logits = self.model(input_ids, sequence.cache, last_only=True)
         token_id = sample(logits[-1], sequence.params, sequence.generator or self._shared_generator)
+        self.generation_tokens_total += 1
         self._append_token(sequence, token_id)
 
     def _append_token(self, sequence: _Sequence, token_id: int) -> None:

@@ -3,9 +3,10 @@ reads kvgate replicas and vLLM servers the same way. One CollectorRegistry per s
 and embedded setups run several servers in one process without clashing."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # vLLM's buckets (seconds), so histograms from both line up.
@@ -19,21 +20,43 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class EngineStats(Protocol):
+    num_running: int
+    num_waiting: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class _EngineCollector:
+    """Read at scrape time from the engine, which counts what it computed (including tokens of
+    requests whose client left), so the numbers are the engine's work, not what was delivered."""
+
+    def __init__(self, model_name: str, engine: EngineStats):
+        self._model_name = model_name
+        self._engine = engine
+
+    def collect(self):
+        label = [self._model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in the engine's running set.", self._engine.num_running),
+                ("vllm:num_requests_waiting", "Requests queued, not yet running.", self._engine.num_waiting)):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+        for name, doc, value in (
+                ("vllm:prompt_tokens", "Prefilled prompt tokens.", self._engine.prompt_tokens_total),
+                ("vllm:generation_tokens", "Generated tokens.", self._engine.generation_tokens_total)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+
+
 class ReplicaMetrics:
-    def __init__(self, model_name: str, num_running: Callable[[], int], num_waiting: Callable[[], int]):
+    def __init__(self, model_name: str, engine: EngineStats):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
-        running = Gauge("vllm:num_requests_running", "Requests in the engine's running set.",
-                        labels, registry=r)
-        running.labels(model_name).set_function(num_running)
-        waiting = Gauge("vllm:num_requests_waiting", "Requests queued, not yet running.",
-                        labels, registry=r)
-        waiting.labels(model_name).set_function(num_waiting)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.",
-                                     labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
-                                         labels, registry=r).labels(model_name)
+        r.register(_EngineCollector(model_name, engine))
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
                                              "Arrival to first generated token.", labels,
                                              buckets=TTFT_BUCKETS_S, registry=r).labels(model_name)

@@ -63,7 +63,7 @@ class ReplicaServer:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.created = int(time.time())
-        self.metrics = ReplicaMetrics(model_name, lambda: engine.num_running, lambda: engine.num_waiting)
+        self.metrics = ReplicaMetrics(model_name, engine)
         self._tokenizer_payload = tokenizer.to_payload()
 
     def app(self) -> web.Application:
@@ -149,7 +149,7 @@ class ReplicaServer:
         finished = False
         try:
             shaper = _Shaper(self, body, request, prompt_ids, chat)
-            events = _timed(stream, self.metrics, len(prompt_ids), arrival_s)
+            events = _timed(stream, self.metrics, arrival_s)
             if not body.stream:
                 output_ids, text, last = [], [echo_text], None
                 async for ev in events:
@@ -242,8 +242,8 @@ def _chat_chars(body: ChatCompletionRequest) -> int:
     return sum(len(m["content"]) for m in message_dicts(body))
 
 
-async def _timed(stream, metrics: ReplicaMetrics, prompt_len: int, arrival_s: float):
-    """The engine's events, with vLLM's latency metrics and counters recorded on the way."""
+async def _timed(stream, metrics: ReplicaMetrics, arrival_s: float):
+    """The engine's events, with vLLM's latency metrics recorded on the way."""
     last_s = None
     async for ev in stream:
         if ev.finish_reason == FINISH_ABORT:
@@ -251,11 +251,9 @@ async def _timed(stream, metrics: ReplicaMetrics, prompt_len: int, arrival_s: fl
         now_s = time.monotonic()
         if last_s is None:
             metrics.time_to_first_token.observe(now_s - arrival_s)
-            metrics.prompt_tokens.inc(prompt_len)
         else:
             metrics.inter_token_latency.observe(now_s - last_s)
         last_s = now_s
-        metrics.generation_tokens.inc()
         if ev.finish_reason is not None:
             metrics.e2e_request_latency.observe(now_s - arrival_s)
             metrics.request_success(ev.finish_reason)

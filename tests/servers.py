@@ -1,0 +1,120 @@
+"""Start real server processes for tests: free loopback ports, wait for health, always stop them.
+
+    with run_replica() as replica:            # python -m replica --model tiny on 127.0.0.1
+        httpx.post(replica.url + "/v1/completions", ...)
+
+    with run_process([sys.executable, "-m", "gateway", ...], "http://127.0.0.1:PORT/health") as gw:
+        ...
+
+Output (stdout + stderr) goes to a temp file, never a pipe, so a chatty server cannot block on a
+full pipe; `logs()` reads it, and a server that dies or never gets healthy fails the test with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HEALTH_POLL_S = 0.1  # another process's readiness has no event to await: poll, bounded below
+
+
+def free_port() -> int:
+    """An ephemeral loopback port that was free a moment ago (the OS hands out ports round robin,
+    so a reuse race within one test run is very unlikely)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+ReplicaProcess = ServerProcess
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, wait, then SIGKILL: never leave a server behind."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+
+
+@contextlib.contextmanager
+def run_process(argv: Sequence[str], health_url: str, *, port: int, env: dict | None = None,
+                startup_timeout_s: float = 120.0, stop_timeout_s: float = 10.0,
+                name: str = "server") -> Iterator[ServerProcess]:
+    """Run argv from the repo root until the `with` block ends; yields once health_url answers 200."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH")) if p)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"kvgate-{name}-", suffix=".log", delete=False)
+    log_path = Path(log_file.name)
+    proc = subprocess.Popen(list(argv), cwd=REPO_ROOT, env=full_env, stdout=log_file,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log_file.close()
+    server = ServerProcess(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _healthy(health_url):
+            if proc.poll() is not None:
+                raise ServerStartError(f"{name} exited with code {proc.returncode} before becoming "
+                                       f"healthy:\n{server.logs()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"{name} not healthy at {health_url} after {startup_timeout_s:.0f}s:"
+                                       f"\n{server.logs()[-4000:]}")
+            time.sleep(HEALTH_POLL_S)
+        yield server
+    finally:
+        stop_process(proc, stop_timeout_s)
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+
+
+@contextlib.contextmanager
+def run_replica(model: str = "tiny", threads: int = 1, extra_args: Sequence[str] = (),
+                startup_timeout_s: float = 120.0) -> Iterator[ReplicaProcess]:
+    """A built-in replica (`python -m replica`) on a free loopback port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "replica", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(threads), "--log-format", "json", *extra_args]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="replica",
+                     startup_timeout_s=startup_timeout_s) as server:
+        yield server
