@@ -126,7 +126,7 @@ def _value_problems(config: Config):
             yield ["replicas", index, "model"], "must not be empty"
         if replica.launch is not None and not replica.launch.model.strip():
             yield ["replicas", index, "launch", "model"], "must not be empty"
-        if replica.launch is not None and urlsplit(replica.url).port is None:
+        if replica.launch is not None and not why and urlsplit(replica.url).port is None:
             yield ["replicas", index, "url"], "a replica with `launch` needs an explicit port in its url"
 
 

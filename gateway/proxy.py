@@ -95,6 +95,7 @@ class Proxy:
         parsed = decode(body)
         raw = _decode_json(body)  # decode() proved it is a JSON object
         record.stream = parsed.stream
+        record.model = parsed.model
         model = self._resolve_model(parsed.model)
         record.model = model
         candidates = self.pool.candidates(model)

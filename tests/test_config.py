@@ -1,0 +1,127 @@
+"""Routing YAML: every mistake is refused with the key and its line; the shipped default is valid."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+GOOD = """\
+gateway:
+  host: 127.0.0.1
+  port: 8000
+logging: {level: info, format: json, token_ids: full}
+routing:
+  policy: round_robin
+replicas:
+  - name: a
+    url: http://127.0.0.1:8101
+    model: m
+  - name: b
+    url: http://127.0.0.1:8102
+    model: m
+    launch: {model: tiny, threads: 1}
+"""
+
+
+def error_of(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.yaml")
+    return str(info.value)
+
+
+def test_good_config_decodes_with_defaults():
+    config = parse_config(GOOD, "x.yaml")
+    assert [r.name for r in config.replicas] == ["a", "b"]
+    assert config.gateway.request_timeout_s == 600 and config.gateway.connect_timeout_s == 5
+    assert config.replicas[1].launch.model == "tiny" and config.replicas[1].port == 8102
+
+
+def test_unknown_key_names_key_line_and_expected_keys():
+    text = GOOD.replace("    model: m\n  - name: b", "    model: m\n    prot: 3\n  - name: b")
+    assert error_of(text) == ("x.yaml:11: replicas[0].prot: unknown key "
+                              "(expected one of: name, url, model, tokenizer, launch)")
+
+
+def test_unknown_top_level_section():
+    assert error_of(GOOD + "extra: 1\n").startswith("x.yaml:15: extra: unknown key (expected one of: gateway,")
+
+
+def test_wrong_type_names_key_and_line():
+    assert error_of(GOOD.replace("port: 8000", "port: eighty")) == "x.yaml:3: gateway.port: expected int, got str"
+    assert error_of(GOOD.replace("threads: 1", "threads: [1]")).startswith(
+        "x.yaml:14: replicas[1].launch.threads: expected int, got array")
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("port: 8000", "port: 70000", "x.yaml:3: gateway.port: expected int <= 65535"),
+    ("policy: round_robin", "policy: magic", "x.yaml:6: routing.policy: unknown policy 'magic'"),
+    ("url: http://127.0.0.1:8102", "url: 127.0.0.1:8102", "x.yaml:12: replicas[1].url: bad url"),
+    ("url: http://127.0.0.1:8102", "url: http://127.0.0.1:99999", "x.yaml:12: replicas[1].url: bad url"),
+    ("name: b", "name: a", "x.yaml:11: replicas[1].name: duplicate replica name 'a'"),
+    ("token_ids: full", "token_ids: some", "x.yaml:4: logging.token_ids: invalid enum value 'some' "
+                                           "(expected one of: full, hashed, off)"),
+])
+def test_bad_value_names_key_and_line(old, new, expected):
+    assert error_of(GOOD.replace(old, new)).startswith(expected)
+
+
+def test_empty_replicas_and_missing_replicas_are_refused():
+    assert error_of("replicas: []\n") == "x.yaml:1: replicas: must list at least one replica"
+    assert error_of("gateway: {port: 8000}\n") == "x.yaml:1: replicas: missing required key"
+    assert error_of("") .startswith("x.yaml:1: empty config")
+
+
+def test_yaml_syntax_error_names_line():
+    assert error_of("gateway:\n  port: [8000\nreplicas: []\n").startswith("x.yaml:3: invalid YAML")
+
+
+def test_shipped_local_yaml_is_valid():
+    config = load_config(REPO_ROOT / "configs" / "local.yaml")
+    assert [r.port for r in config.replicas] == [8101, 8102]
+    assert {r.model for r in config.replicas} == {"smollm2"}
+    assert all(r.launch is not None and r.launch.model == "smollm2" and r.launch.threads == 1
+               for r in config.replicas)
+    assert (config.gateway.host, config.gateway.port) == ("127.0.0.1", 8000)
+
+
+def kvgate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_check_config_exit_codes(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(GOOD)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("policy: round_robin", "policy: magic"))
+    ok = kvgate("check-config", str(good))
+    assert ok.returncode == 0 and ok.stdout.strip() == f"ok: {good} (2 replicas, policy round_robin)"
+    refused = kvgate("check-config", str(bad))
+    assert refused.returncode == 1 and f"{bad}:6: routing.policy: unknown policy 'magic'" in refused.stderr
+    missing = kvgate("check-config", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_serve_and_up_refuse_a_bad_config_with_the_same_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("name: b", "name: a"))
+    expected = f"{bad}:11: replicas[1].name: duplicate replica name 'a'"
+    for command in ("serve", "up"):
+        result = kvgate(command, "--config", str(bad))
+        assert result.returncode == 1 and expected in result.stderr, result.stderr
+
+
+def test_gateway_and_routing_import_no_torch_or_aiohttp_in_routing():
+    code = ("import sys, gateway.cli, gateway.server, gateway.launcher; assert 'torch' not in sys.modules; "
+            "import routing; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    code = "import sys, routing, routing.round_robin; assert 'aiohttp' not in sys.modules and 'torch' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
