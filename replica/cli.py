@@ -11,6 +11,7 @@ import structlog
 
 ROLES = ("mixed", "prefill", "decode")
 IMPLEMENTED_ROLES = ("mixed",)
+SHUTDOWN_GRACE_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +83,10 @@ async def _serve(args, loaded, log) -> int:
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
                            max_model_len=loaded.max_model_len, vocab_size=loaded.config.vocab_size)
     # handler_cancellation: a client that hangs up on a non-streamed request cancels the handler,
-    # whose `finally` aborts the sequence.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    # whose `finally` aborts the sequence. On shutdown, in-flight requests get a few seconds to end
+    # (a gateway in front resumes the rest elsewhere).
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx2 as httpx  # ships with the openai SDK (test extra)
@@ -15,7 +18,7 @@ from replica.engine import Engine
 from replica.loader import load_model
 from replica.model import KVCache
 from replica.sampler import SamplingParams
-from tests.servers import run_replica
+from tests.servers import REPO_ROOT, run_replica
 
 TIMEOUT = httpx.Timeout(30.0)
 
@@ -383,3 +386,18 @@ def test_engine_interleaves_concurrent_requests_and_fails_only_the_bad_one(tiny)
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+# -- process lifecycle ------------------------------------------------------------------------
+def test_sigterm_stops_the_replica_cleanly():
+    with run_replica("tiny") as server:
+        assert "replica ready model=tiny url=" + server.url in server.logs()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(20) == 0, server.logs()
+
+
+def test_unimplemented_role_is_rejected_with_a_clear_message():
+    result = subprocess.run([sys.executable, "-m", "replica", "--model", "tiny", "--role", "prefill"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--role prefill is not implemented yet" in result.stderr
