@@ -373,12 +373,21 @@ def test_engine_interleaves_concurrent_requests_and_fails_only_the_bad_one(tiny)
             streams = [engine.submit([1, 2, 3 + i], greedy) for i in range(3)]
             bad = engine.submit([1, 2, 10_000], greedy)  # out of vocab: the embedding lookup fails
 
-            async def collect(stream):
-                return [ev.token_id async for ev in stream]
+            arrivals = []  # (stream index) in the order tokens arrive
 
-            results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams),
+            async def collect(stream, index=-1):
+                tokens = []
+                async for ev in stream:
+                    tokens.append(ev.token_id)
+                    arrivals.append(index)
+                return tokens
+
+            results = await asyncio.wait_for(asyncio.gather(*(collect(s, i) for i, s in enumerate(streams)),
                                                             collect(bad), return_exceptions=True), 30)
             assert [len(r) for r in results[:3]] == [20, 20, 20]
+            # Round robin: every request got its first token before any request finished.
+            first_finish = min(len(arrivals) - arrivals[::-1].index(i) - 1 for i in range(3))
+            assert all(arrivals.index(i) < first_finish for i in range(3)), arrivals
             assert isinstance(results[3], Exception)
             after = await asyncio.wait_for(collect(engine.submit([5, 6], greedy)), 30)
             assert len(after) == 20
