@@ -410,3 +410,18 @@ def test_unimplemented_role_is_rejected_with_a_clear_message():
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--role prefill is not implemented yet" in result.stderr
+
+
+def test_echo_prefixes_the_prompt_text(client):
+    plain = complete(client, prompt="Hello there", max_tokens=4, **GREEDY)["choices"][0]["text"]
+    echoed = complete(client, prompt="Hello there", max_tokens=4, echo=True, **GREEDY)["choices"][0]["text"]
+    assert echoed == "Hello there" + plain
+
+
+def test_errors_and_streams_carry_the_request_id(client):
+    error = client.post("/v1/completions", json={"prompt": "hi", "model": "nope"}, headers={"x-request-id": "e-1"})
+    assert error.status_code == 404 and error.headers["x-request-id"] == "e-1"
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                       headers={"x-request-id": "s-1"}) as response:
+        assert response.headers["x-request-id"] == "s-1"
+        assert json.loads(next(response.iter_lines())[len("data: "):])["id"] == "cmpl-s-1"
