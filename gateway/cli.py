@@ -5,6 +5,7 @@ torch (through `replica.cli`), so the gateway process stays torch-free."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -80,6 +81,11 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
     from observability.logs import configure_logging
     configure_logging(config.logging.level, config.logging.format)
     launcher = Launcher(config)
+
+    def interrupt(_signum, _frame):  # SIGTERM while replicas load: same orderly stop as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         launcher.start()
         if launcher.replicas:

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gateway.config import Config, ReplicaSpec
 
@@ -37,7 +38,8 @@ class LaunchedReplica:
 
 def replica_argv(spec: ReplicaSpec) -> list[str]:
     launch = spec.launch
-    return [sys.executable, "-m", "replica", "--model", launch.model, "--port", str(spec.port),
+    host = urlsplit(spec.url).hostname or "127.0.0.1"
+    return [sys.executable, "-m", "replica", "--model", launch.model, "--host", host, "--port", str(spec.port),
             "--threads", str(launch.threads), "--served-model-name", spec.model, *launch.extra_args]
 
 
