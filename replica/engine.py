@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from protocol.errors import Overloaded, Unavailable
+from replica.model import KVCache
 from replica.sampler import SamplingParams, sample
 from tokenization.detokenizer import IncrementalDetokenizer
 
@@ -202,8 +203,6 @@ class Engine:
             sequence.stream._push_threadsafe(TokenEvent(None, "", error=error))
 
     def _step(self, sequence: _Sequence) -> None:
-        from replica.model import KVCache  # torch model code; imported where the worker needs it
-
         if sequence.cache is None:  # prefill: the whole prompt in one forward
             sequence.cache = KVCache(self.config, len(sequence.prompt_token_ids) + sequence.params.max_tokens,
                                      self.dtype)
