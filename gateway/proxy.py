@@ -200,6 +200,11 @@ class Proxy:
             raise await self._upstream_error(upstream)
         try:
             body = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            upstream.close()
+            self.pool.mark_down(self.pool.by_name[record.replica], f"{type(exc).__name__}: {exc}")
+            raise UpstreamError(f"Replica {record.replica} failed while answering: {type(exc).__name__}.",
+                                code="upstream_disconnected") from None
         except BaseException:
             upstream.close()  # unread body: drop the connection so the replica sees us leave
             raise

@@ -16,7 +16,7 @@ import uuid
 import openai
 import pytest
 
-from tests.servers import free_port, run_process, run_replica
+from tests.servers import free_port, run_process, run_replica, stop_process
 
 LOG_WAIT_S = 10.0
 
@@ -281,3 +281,33 @@ def test_request_id_is_made_when_absent_and_passed_to_the_replica(gateway):
     assert len(request_id) >= 16
     assert request_id in raw.parse().id  # the replica named its completion after the id it received
     assert gateway.record(request_id)["status"] == 200
+
+
+def test_unreachable_replica_is_retried_on_another_and_marked_down(tmp_path):
+    with contextlib.ExitStack() as stack:
+        survivor = stack.enter_context(run_replica("tiny"))
+        doomed = stack.enter_context(run_replica("tiny"))
+        port = free_port()
+        config = tmp_path / "gateway.yaml"
+        config.write_text(
+            f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 2}}\nlogging: {{format: json}}\n"
+            f"replicas:\n  - {{name: doomed, url: '{doomed.url}', model: tiny}}\n"
+            f"  - {{name: survivor, url: '{survivor.url}', model: tiny}}\n")
+        server = stack.enter_context(run_process(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
+        deadline = time.monotonic() + 30
+        while not http("GET", server.url + "/health")[2].get("all_ready"):
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+        gateway = Gateway(server, [doomed, survivor])
+        stop_process(doomed.proc)  # dies while the gateway still believes it healthy
+        ids = [rid() for _ in range(3)]
+        for request_id in ids:
+            answer = gateway.client.completions.create(model="tiny", prompt="still there?", max_tokens=2,
+                                                       extra_headers={"x-request-id": request_id})
+            assert answer.usage.completion_tokens == 2
+        records = [gateway.record(request_id) for request_id in ids]
+        assert [r["replica"] for r in records] == ["survivor"] * 3
+        assert records[0]["routing"]["retried_after"] == ["doomed"]  # round robin's first pick was dead
+        assert all("retried_after" not in r["routing"] for r in records[1:])  # then it was out of the pool
