@@ -1,0 +1,116 @@
+"""The bench stub speaks vLLM's dialect well enough for the official `openai` client, and the load
+generator records what it sent. Real processes on loopback; a few seconds in all."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from bench.loadgen import Phase, run_phase, summary
+from bench.stub_backend import StubProcess
+from tokenization.bundle import TokenizerBundle
+
+
+@pytest.fixture(scope="module")
+def stub():
+    with StubProcess(output_tokens=8) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(stub):
+    with openai.OpenAI(base_url=stub.url + "/v1", api_key="unused", max_retries=0, timeout=10) as c:
+        yield c
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.read()
+
+
+def test_completion_carries_vllm_token_ids_and_usage(client):
+    response = client.completions.create(model="stub", prompt="Hello, world!", max_tokens=5,
+                                         extra_body={"return_token_ids": True})
+    choice = response.choices[0]
+    extra = choice.model_extra
+    assert len(extra["token_ids"]) == 5 and choice.finish_reason == "length"
+    assert extra["prompt_token_ids"] and response.usage.prompt_tokens == len(extra["prompt_token_ids"])
+    assert response.usage.completion_tokens == 5
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="stub", prompt="Hello, world!", max_tokens=5,
+                                      extra_body={"return_token_ids": True})
+    assert again.choices[0].model_extra["token_ids"] == extra["token_ids"]  # deterministic
+
+
+def test_completion_without_return_token_ids_has_no_id_fields(client):
+    choice = client.completions.create(model="stub", prompt="Hello", max_tokens=20).choices[0]
+    assert "token_ids" not in (choice.model_extra or {})
+    assert choice.finish_reason == "stop"  # the stub answers 8 tokens, fewer than asked for
+
+
+def test_chat_puts_prompt_ids_at_top_level(client):
+    response = client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}],
+                                              extra_body={"return_token_ids": True})
+    assert response.model_extra["prompt_token_ids"]
+    assert len(response.choices[0].model_extra["token_ids"]) == 8
+    assert response.choices[0].message.content and response.choices[0].message.role == "assistant"
+
+
+def test_completion_stream_sends_prompt_ids_first_and_usage_last(client):
+    chunks = list(client.completions.create(model="stub", prompt="Hello", max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == 4
+    assert token_chunks[0].choices[0].model_extra["prompt_token_ids"]
+    assert all(len(c.choices[0].model_extra["token_ids"]) == 1 for c in token_chunks)
+    assert "prompt_token_ids" not in token_chunks[1].choices[0].model_extra
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_opens_with_role_and_prompt_ids(client):
+    chunks = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model_extra["prompt_token_ids"]
+    deltas = [c for c in chunks[1:] if c.choices]
+    assert len(deltas) == 3 and all(c.choices[0].model_extra["token_ids"] for c in deltas)
+    assert "".join(c.choices[0].delta.content for c in deltas)
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 3
+
+
+def test_bad_json_and_unknown_model_are_openai_errors(stub, client):
+    request = urllib.request.Request(stub.url + "/v1/completions", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 400
+    error = json.loads(caught.value.read())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_models_metrics_and_tokenizer_endpoints(stub, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["stub"] and models[0].model_extra["max_model_len"] > 0
+    status, metrics = _get(stub.url + "/metrics")
+    assert status == 200 and b'vllm:num_requests_waiting{model_name="stub"} 0.0' in metrics
+    assert _get(stub.url + "/health")[0] == 200
+    bundle = TokenizerBundle.from_payload(_get(stub.url + "/kvgate/tokenizer")[1])
+    assert bundle.encode("Hello") and bundle.chat_template
+
+
+def test_loadgen_open_loop_records_every_request(stub):
+    body = {"model": "stub", "prompt": "Hello", "max_tokens": 4, "stream": True}
+    phase = Phase(name="smoke", url=stub.url + "/v1/completions", body=body, mode="open", rate_rps=50,
+                  duration_s=0.4, arrivals="fixed", timeout_s=10)
+    result = asyncio.run(run_phase(phase))
+    assert len(result.results) == 19  # evenly spaced, t < 0.4 s
+    assert all(r.status == 200 and r.ttfb_s is not None and r.ttfb_s <= r.latency_s for r in result.results)
+    assert summary(result)["errors"] == 0
