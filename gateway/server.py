@@ -105,6 +105,9 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        # Join the tokenizer threads while the loop is alive: uvloop.run's own shutdown of the
+        # default executor can race the loop's close and print a traceback on Ctrl-C.
+        await loop.shutdown_default_executor()
 
 
 def run(config: Config, on_ready: Callable[[], None] | None = None) -> int:

@@ -104,4 +104,6 @@ async def _serve(args, loaded, log) -> int:
     finally:
         await runner.cleanup()
         engine.shutdown()
+        # See gateway/server.py: join executor threads before uvloop closes the loop.
+        await asyncio.get_running_loop().shutdown_default_executor()
     return 0
