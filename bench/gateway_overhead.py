@@ -172,7 +172,7 @@ def body(settings: Settings, stream: bool) -> dict:
 
 
 def interleaved(loadgen: LoadgenProcess, settings: Settings, targets: dict[str, str], stream: bool,
-                progress) -> dict[str, list[PhaseResult]]:
+                progress, cpu_pids: list[int]) -> dict[str, list[PhaseResult]]:
     """Alternating windows, same schedule (seed) for both sides of a pair, ABBA order."""
     runs: dict[str, list[PhaseResult]] = {name: [] for name in targets}
     names = list(targets)
@@ -181,7 +181,7 @@ def interleaved(loadgen: LoadgenProcess, settings: Settings, targets: dict[str, 
         for name in order:
             phase = Phase(name=name, url=targets[name] + "/v1/completions", body=body(settings, stream),
                           mode="open", rate_rps=settings.rate_rps, duration_s=settings.window_s,
-                          arrivals="poisson", seed=1000 + window, timeout_s=10.0)
+                          arrivals="poisson", seed=1000 + window, timeout_s=10.0, cpu_pids=cpu_pids)
             runs[name].append(loadgen.run(phase))
             progress(f"{'stream' if stream else 'non-stream'} window {window + 1}/{settings.windows} {name}")
     return runs
@@ -247,11 +247,18 @@ def report(settings: Settings, latency: dict, ttfb: dict, sat_gw: PhaseResult, s
         console.print(per_window)
         if err_d or err_g:
             console.print(f"[red]errors: direct {err_d}, gateway {err_g}[/red]")
+        cpu_s = sum(sum(r.cpu_s.get(pid, 0.0) for pid in gateway_pids) for r in runs["gateway"])
+        wall_s = sum(r.wall_s for r in runs["gateway"])
+        cpu_us = cpu_s / len(through) * 1e6 if through else float("nan")
+        console.print(f"gateway CPU at {settings.rate_rps:g} req/s: {cpu_us:.0f} us/request, "
+                      f"{cpu_s / wall_s if wall_s else float('nan'):.2f} cores busy")
         name = "gateway_added" if what == "latency" else "gateway_added_ttfb"
         figures.append((f"{name}_p50_ms", fmt(ladder_g[50] - ladder_d[50])))
         figures.append((f"{name}_p99_ms", fmt(ladder_g[99] - ladder_d[99])))
         # Robust to one window hit by a stall elsewhere on the machine; the pooled figure is not.
         figures.append((f"{name}_p99_ms_window_median", fmt(statistics.median(added_p99_by_window))))
+        figures.append((f"gateway_cpu_us_per_{'request' if what == 'latency' else 'stream'}_at_rate",
+                        fmt(cpu_us, 0)))
         if err_g:
             figures.append((f"{name}_errors", str(err_g)))
 
@@ -328,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         progress("warmed up")
         log_bytes_before = gateway.log_path.stat().st_size
 
-        latency = interleaved(loadgen, settings, targets, stream=False, progress=progress)
-        ttfb = interleaved(loadgen, settings, targets, stream=True, progress=progress)
+        gateway_pids = gateway.pids()
+        latency = interleaved(loadgen, settings, targets, stream=False, progress=progress, cpu_pids=gateway_pids)
+        ttfb = interleaved(loadgen, settings, targets, stream=True, progress=progress, cpu_pids=gateway_pids)
         logged = sum(len(r.results) for r in latency["gateway"] + ttfb["gateway"])
         log_bytes = gateway.log_path.stat().st_size - log_bytes_before
 
-        gateway_pids = gateway.pids()
         cpu_pids = gateway_pids + [stub.pid, loadgen.pid]
         sat_direct = saturation(loadgen, settings, stub.url, "direct", cpu_pids)
         progress(f"saturation direct: {sat_direct.achieved_rps():.0f} req/s")
@@ -356,4 +363,8 @@ def _copy_logs(workdir: Path, destination: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # every `with` has already stopped its process
+        print("interrupted: stub, gateway and load generator stopped", file=sys.stderr)
+        sys.exit(130)
