@@ -1,11 +1,12 @@
-"""Greedy decoding of our LlamaForCausalLM + KVCache matches HF transformers token for token."""
+"""Greedy decoding of our LlamaForCausalLM through the paged path (model runner, block tables, paged
+attention) matches HF transformers token for token."""
 from pathlib import Path
 
 import pytest
 import torch
 
 from replica.loader import load_model
-from replica.model import KVCache
+from replica.model_runner import ModelRunner, StepItem, greedy_generate as paged_greedy
 from replica.tiny import build_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -15,14 +16,9 @@ NEW_TOKENS = 32
 
 
 def greedy_generate(loaded, prompt_ids: list[int], n: int) -> list[int]:
-    """Prefill the prompt, then decode one token at a time, always taking the argmax."""
-    cache = KVCache(loaded.config, len(prompt_ids) + n, torch.float32)
-    logits = loaded.model(torch.tensor(prompt_ids), cache)
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(logits[-1].argmax()))
-        logits = loaded.model(torch.tensor(out[-1:]), cache)
-    return out
+    """Prefill the prompt (in chunks of 13, crossing block edges), then decode one token at a time."""
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=-(-(len(prompt_ids) + n) // 16) + 1)
+    return paged_greedy(runner, prompt_ids, n, chunk_size=13)
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
@@ -89,24 +85,51 @@ def test_smollm2_gguf_matches_transformers():
     path = Path(loaded.source)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    chats = ["What is the capital of France?", "Write a haiku about the sea.", "Count from 1 to 10."]
+    chats = ["What is the capital of France?", "Write a Python function that reverses a string.", "Count from 1 to 10."]
     prompts = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template([{"role": "user", "content": c}]))
                for c in chats]
-    prompts.append(loaded.tokenizer.encode("def fibonacci(n):\n"))
     assert_same_greedy(loaded, hf_model, prompts)
 
 
 def test_prefill_in_chunks_equals_prefill_at_once():
     loaded = load_model("tiny")
-    ids = torch.tensor(loaded.tokenizer.encode(TEXT_PROMPTS[3]))
-    whole = KVCache(loaded.config, 64, torch.float32)
-    expected = loaded.model(ids, whole, last_only=False)
-    chunked = KVCache(loaded.config, 64, torch.float32)
-    first = loaded.model(ids[:7], chunked, last_only=False)
-    rest = loaded.model(ids[7:], chunked, last_only=False)
-    assert chunked.length == whole.length == len(ids)
+    ids = loaded.tokenizer.encode(TEXT_PROMPTS[3])
+    # Scattered, out-of-order block tables: the paged path must not assume contiguous blocks.
+    whole = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=4)
+    table = [7, 2, 5, 0, 3, 6, 1, 4][: -(-len(ids) // 4)]
+    expected = whole.execute([StepItem(ids, 0, table, True)], all_logits=True)
+    chunked = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=4)
+    first = chunked.execute([StepItem(ids[:7], 0, table, True)], all_logits=True)
+    rest = chunked.execute([StepItem(ids[7:], 7, table, True)], all_logits=True)
     torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(chunked.k[:, : len(ids)], whole.k[:, : len(ids)], rtol=1e-5, atol=1e-5)
+    for (k_whole, _), (k_chunked, _) in zip(whole.kv_caches, chunked.kv_caches):
+        torch.testing.assert_close(k_chunked[table], k_whole[table], rtol=1e-5, atol=1e-5)
+
+
+def test_one_batched_step_equals_each_sequence_alone():
+    """Decode rows and prefill chunks of different sequences in one forward give each sequence
+    the logits it gets alone."""
+    loaded = load_model("tiny")
+    prompts = [loaded.tokenizer.encode(t) for t in TEXT_PROMPTS]
+    alone = []
+    for prompt in prompts:
+        runner = ModelRunner(loaded.model, loaded.config, num_blocks=16, block_size=4)
+        table = list(range(-(-len(prompt) // 4)))
+        runner.execute([StepItem(prompt[:-1], 0, table, False)])
+        alone.append(runner.execute([StepItem(prompt[-1:], len(prompt) - 1, table, True)])[0])
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=64, block_size=4)
+    tables, next_block = [], 0
+    for prompt in prompts:
+        count = -(-len(prompt) // 4)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    # sequences 0 and 2 prefill everything but their last token first; 1 and 3 are fresh
+    runner.execute([StepItem(prompts[i][:-1], 0, tables[i], False) for i in (0, 2)])
+    items = [StepItem(prompts[1], 0, tables[1], True), StepItem(prompts[0][-1:], len(prompts[0]) - 1, tables[0], True),
+             StepItem(prompts[3], 0, tables[3], True), StepItem(prompts[2][-1:], len(prompts[2]) - 1, tables[2], True)]
+    batched = runner.execute(items)
+    for row, index in enumerate((1, 0, 3, 2)):
+        torch.testing.assert_close(batched[row], alone[index], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", ["/nonexistent/model-dir", "not-a-model", __file__])

@@ -159,9 +159,9 @@ def test_add_bos_prepends_bos_once(smollm2):
     assert bundle.encode("hi", add_special_tokens=False) == smollm2.encode("hi")
 
 
-def test_tokenization_package_does_not_import_torch(smollm2_path):
+def test_tokenization_package_does_not_import_torch(tiny_dir):
     code = (
-        "import sys; from tokenization import TokenizerBundle, IncrementalDetokenizer; "
-        f"TokenizerBundle.from_gguf({str(smollm2_path)!r}); assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, gguf; from tokenization import TokenizerBundle, IncrementalDetokenizer; "
+        f"TokenizerBundle.from_hf_dir({str(tiny_dir)!r}); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

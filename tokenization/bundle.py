@@ -138,8 +138,6 @@ class TokenizerBundle:
     def from_gguf(cls, path) -> "TokenizerBundle":
         from gguf import GGUFReader  # numpy-only; imported lazily to keep gateway start-up light
 
-        from tokenization.gguf_vocab import read_gguf_tokenizer
-
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"{path}: no such GGUF file")
