@@ -1,16 +1,13 @@
 """Pure routing decisions: given candidate replicas and what is known about a request, pick one.
 
-Every policy implements `choose(candidates, request) -> Decision`; the gateway knows nothing else."""
+Every policy implements `choose(candidates, request) -> decision` (a decision has `.replica`
+and `.as_log()`); the gateway knows nothing else. `make_policy(name, params, state)` builds
+one by its config name; `state` (RoutingState: prefix tables + load tracker) outlives policies."""
+from routing.policy import POLICY_FACTORIES, RouteRequest, RoutingDecision, RoutingState, make_policy
 from routing.round_robin import Decision, RequestInfo, RoundRobin
+import routing.policies  # noqa: E402,F401  (registers every policy in POLICY_FACTORIES)
 
-POLICIES = {"round_robin": RoundRobin}
+POLICIES = POLICY_FACTORIES  # config name -> factory(params, state); gateway/config validates names against it
 
-
-def make_policy(name: str):
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r} (expected one of: {', '.join(POLICIES)})") from None
-
-
-__all__ = ["Decision", "RequestInfo", "RoundRobin", "POLICIES", "make_policy"]
+__all__ = ["Decision", "RequestInfo", "RoundRobin", "RouteRequest", "RoutingDecision", "RoutingState",
+           "POLICIES", "POLICY_FACTORIES", "make_policy"]

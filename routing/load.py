@@ -1,0 +1,157 @@
+"""Queue-depth estimate per replica (DESIGN contract 3), in requests, tokens and seconds.
+
+The gateway's own in-flight accounting is exact for traffic it routed and instant; scraped
+/metrics see traffic from elsewhere but lag by a scrape interval. We keep both: a fresh
+scrape (younger than `stale_after_s`) raises the estimate to what the replica reports, a
+stale one is ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# metric sample name -> field of ScrapedLoad (vLLM and SGLang spellings)
+_SCRAPED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",  # older vLLM name
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+    "sglang:token_usage": "kv_cache_usage",
+}
+
+
+@dataclass
+class ScrapedLoad:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_cache_usage: float | None = None  # 0..1
+    at_s: float = float("-inf")
+
+
+def parse_load_metrics(text: str) -> ScrapedLoad:
+    """Waiting/running requests and KV usage from Prometheus text (summed over label sets)."""
+    load = ScrapedLoad()
+    seen: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = _SCRAPED.get(sample.name)
+            if name is None:
+                continue
+            if name == "kv_cache_usage":
+                load.kv_cache_usage = max(load.kv_cache_usage or 0.0, float(sample.value))
+            else:
+                setattr(load, name, getattr(load, name) + float(sample.value))
+            seen.add(name)
+    return load
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """How tokens turn into seconds; per-deployment numbers, set in the routing YAML."""
+    prefill_tokens_per_s: float = 8000.0
+    decode_step_s_per_seq: float = 0.002    # added to every step by each running sequence
+    decode_step_base_s: float = 0.010       # one decode step with a tiny batch
+    stale_after_s: float = 10.0
+
+
+@dataclass
+class ReplicaLoad:
+    waiting: int = 0                 # routed, no first token yet
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of those
+    decoding: int = 0                # streaming sequences
+    decoding_context_tokens: int = 0
+    scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+
+
+@dataclass(frozen=True)
+class LoadEstimate:
+    """Plain data for the decision record."""
+    waiting: int
+    pending_prefill_tokens: int
+    decoding: int
+    in_flight: int
+    queue_delay_s: float
+    scraped_fresh: bool
+
+
+class LoadTracker:
+    def __init__(self, model: LoadModel | None = None) -> None:
+        self.model = model or LoadModel()
+        self.replicas: dict[str, ReplicaLoad] = {}
+
+    def _get(self, replica: str) -> ReplicaLoad:
+        load = self.replicas.get(replica)
+        if load is None:
+            load = self.replicas[replica] = ReplicaLoad()
+        return load
+
+    def remove_replica(self, replica: str) -> None:
+        self.replicas.pop(replica, None)
+
+    # ---- the gateway's own accounting -------------------------------------------------
+    def on_routed(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        load = self._get(replica)
+        load.waiting += 1
+        load.pending_prefill_tokens += max(prompt_tokens - cached_tokens, 0)
+
+    def on_first_token(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """Same arguments as on_routed (the gateway passes what it predicted then)."""
+        load = self._get(replica)
+        load.waiting = max(load.waiting - 1, 0)
+        load.pending_prefill_tokens = max(load.pending_prefill_tokens - max(prompt_tokens - cached_tokens, 0), 0)
+        load.decoding += 1
+        load.decoding_context_tokens += prompt_tokens
+
+    def on_finished(self, replica: str, prompt_tokens: int, cached_tokens: int = 0,
+                    started_decoding: bool = True) -> None:
+        """Request over (done, failed or cancelled); started_decoding: on_first_token was called."""
+        load = self._get(replica)
+        if started_decoding:
+            load.decoding = max(load.decoding - 1, 0)
+            load.decoding_context_tokens = max(load.decoding_context_tokens - prompt_tokens, 0)
+        else:
+            self.on_first_token(replica, prompt_tokens, cached_tokens)
+            self.on_finished(replica, prompt_tokens, cached_tokens, True)
+
+    def on_scrape(self, replica: str, scraped: ScrapedLoad, now: float) -> None:
+        scraped.at_s = now
+        self._get(replica).scraped = scraped
+
+    # ---- the estimate -----------------------------------------------------------------
+    def in_flight(self, replica: str, now: float) -> float:
+        """Requests queued or running: ours, or the replica's own count if fresh and larger."""
+        load = self._get(replica)
+        ours = load.waiting + load.decoding
+        scraped = load.scraped
+        if now - scraped.at_s <= self.model.stale_after_s:
+            return max(ours, scraped.waiting + scraped.running)
+        return ours
+
+    def queue_delay_s(self, replica: str, now: float) -> float:
+        """Seconds a new request waits before its own prefill starts: the uncached prefill
+        ahead of it plus one decode step per pending token-step of the running batch."""
+        load = self._get(replica)
+        m = self.model
+        pending_tokens = load.pending_prefill_tokens
+        waiting, running = load.waiting, load.decoding
+        scraped = load.scraped
+        if now - scraped.at_s <= m.stale_after_s:
+            # Traffic we did not route: assume its waiting requests are as long as ours on average.
+            extra_waiting = max(scraped.waiting - waiting, 0)
+            if extra_waiting:
+                per_request = pending_tokens / waiting if waiting else 512
+                pending_tokens += extra_waiting * per_request
+            running = max(running, int(scraped.running))
+        # Prefill work ahead, interleaved with the running batch's decode steps.
+        prefill_s = pending_tokens / m.prefill_tokens_per_s
+        step_s = m.decode_step_base_s + m.decode_step_s_per_seq * running if running else 0.0
+        return prefill_s + step_s
+
+    def estimate(self, replica: str, now: float) -> LoadEstimate:
+        load = self._get(replica)
+        return LoadEstimate(load.waiting, load.pending_prefill_tokens, load.decoding,
+                            int(self.in_flight(replica, now)), self.queue_delay_s(replica, now),
+                            now - load.scraped.at_s <= self.model.stale_after_s)

@@ -1,0 +1,106 @@
+"""What every policy shares: the request it sees, the decision record, the state that outlives
+a policy (prefix tables, load tracker: a hot-reloaded policy keeps them), and the registry."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from routing.hashing import DEFAULT_BLOCK_SIZE, block_hashes
+from routing.load import LoadTracker
+from routing.prefix_table import PrefixTable
+from routing.round_robin import RequestInfo
+
+
+@dataclass(frozen=True)
+class RouteRequest(RequestInfo):
+    """RequestInfo plus what cache-aware policies read. `block_hashes`: the prompt's chained
+    block hashes (routing.hashing.block_hashes), computed once by the gateway and reused; if
+    empty they are computed here from prompt_token_ids. `session_key`: the `user` field or the
+    affinity header, if any."""
+    block_hashes: Sequence[int] = ()
+    session_key: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Plain data the gateway logs with the request (and `.replica` it routes to)."""
+    replica: str
+    policy: str
+    reason: str
+    candidates: tuple[str, ...] = ()
+    matched_blocks: dict[str, int] = field(default_factory=dict)
+    load: dict[str, float] = field(default_factory=dict)       # in-flight requests per candidate
+    scores: dict[str, float] = field(default_factory=dict)     # lower is better; seconds for cache_aware
+    predicted_cached_tokens: int = 0
+
+    def as_log(self) -> dict:
+        return {"policy": self.policy, "reason": self.reason, "chosen": self.replica,
+                "candidates": list(self.candidates), "matched_blocks": self.matched_blocks,
+                "load": self.load, "scores": {k: round(v, 6) for k, v in self.scores.items()},
+                "predicted_cached_tokens": self.predicted_cached_tokens}
+
+
+class RoutingState:
+    """Prefix tables (one per model) and the load tracker, shared by policies across reloads.
+
+    The gateway registers replicas (`add_replica`) with their KV capacity in blocks, reports
+    request progress to `tracker`, and feeds KV events or cached-token reports to `table(model)`."""
+
+    def __init__(self, tracker: LoadTracker | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 guess_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tracker = tracker or LoadTracker()
+        self.block_size = block_size
+        self.guess_ttl_s = guess_ttl_s
+        self.clock = clock
+        self.tables: dict[str, PrefixTable] = {}
+        self.model_of: dict[str, str] = {}
+
+    def table(self, model: str) -> PrefixTable:
+        table = self.tables.get(model)
+        if table is None:
+            table = self.tables[model] = PrefixTable(guess_ttl_s=self.guess_ttl_s)
+        return table
+
+    def add_replica(self, replica: str, model: str, capacity_blocks: int) -> None:
+        self.model_of[replica] = model
+        self.table(model).add_replica(replica, capacity_blocks)
+
+    def remove_replica(self, replica: str) -> None:
+        model = self.model_of.pop(replica, None)
+        if model is not None:
+            self.tables[model].remove_replica(replica)
+        self.tracker.remove_replica(replica)
+
+    def hashes(self, request: RequestInfo) -> Sequence[int]:
+        hashes = getattr(request, "block_hashes", ())
+        if len(hashes) == 0 and request.prompt_token_ids:
+            hashes = block_hashes(request.prompt_token_ids, self.block_size, getattr(request, "cache_salt", None))
+        return hashes
+
+
+POLICY_FACTORIES: dict[str, Callable[[dict, RoutingState], Any]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        POLICY_FACTORIES[name] = factory
+        return factory
+    return wrap
+
+
+def make_policy(name: str, params: dict | None = None, state: RoutingState | None = None):
+    """A policy by its config name. `params`: the policy's YAML keys; `state`: shared tables and
+    load (a fresh one if omitted: fine for round_robin, tests and benches)."""
+    import routing.policies  # noqa: F401  (registers the policies)
+    try:
+        factory = POLICY_FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r} (expected one of: {', '.join(POLICY_FACTORIES)})") from None
+    return factory(dict(params or {}), state or RoutingState())
+
+
+def require_candidates(candidates: Sequence[str]) -> None:
+    if not candidates:
+        raise ValueError("no candidates to choose from")
