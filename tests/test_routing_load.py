@@ -1,0 +1,42 @@
+"""Load tracker: own accounting, scraped metrics with a staleness bound, Prometheus parsing."""
+from routing.load import LoadModel, LoadTracker, parse_load_metrics
+
+VLLM = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+"""
+SGLANG = """# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 2
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 7
+"""
+
+
+def test_parses_vllm_and_sglang_load_metrics():
+    vllm = parse_load_metrics(VLLM)
+    assert (vllm.waiting, vllm.running, vllm.kv_cache_usage) == (3, 5, 0.42)
+    sglang = parse_load_metrics(SGLANG)
+    assert (sglang.waiting, sglang.running) == (2, 7)
+
+
+def test_own_accounting_follows_a_request_through_its_life():
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000, decode_step_base_s=0.01, decode_step_s_per_seq=0.001))
+    tracker.on_routed("a", prompt_tokens=3000, cached_tokens=1000)
+    assert tracker.in_flight("a", 0) == 1
+    assert abs(tracker.queue_delay_s("a", 0) - 2.0) < 1e-9
+    tracker.on_first_token("a", 3000, 1000)
+    assert tracker.estimate("a", 0).decoding == 1
+    assert abs(tracker.queue_delay_s("a", 0) - 0.011) < 1e-9
+    tracker.on_finished("a", 3000, 1000)
+    assert tracker.in_flight("a", 0) == 0 and tracker.queue_delay_s("a", 0) == 0
+
+
+def test_scraped_load_counts_until_stale():
+    tracker = LoadTracker(LoadModel(stale_after_s=10))
+    tracker.on_scrape("a", parse_load_metrics(VLLM), now=100)
+    assert tracker.in_flight("a", 105) == 8
+    assert tracker.queue_delay_s("a", 105) > 0
+    assert tracker.in_flight("a", 111) == 0  # stale: ignored
