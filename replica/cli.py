@@ -24,8 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests beyond which new ones get 429")
-    parser.add_argument("--max-running", type=int, default=8,
-                        help="sequences decoded concurrently (each holds its own KV cache in v0)")
+    parser.add_argument("--max-running", type=int, default=64,
+                        help="most sequences in the running batch (vLLM's --max-num-seqs)")
+    parser.add_argument("--kv-cache-gb", type=float, default=0.25, help="memory for the paged KV cache")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens per engine step (decodes + prefill chunks)")
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="publish KV events (vLLM's shape) on this ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="ZMQ ROUTER endpoint answering replay requests for missed event batches")
     parser.add_argument("--role", choices=ROLES, default="mixed")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
@@ -38,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvgate replica: --role {args.role} is not implemented yet (only: "
               f"{', '.join(IMPLEMENTED_ROLES)})", file=sys.stderr)
         return 2
-    if args.threads < 1 or args.max_waiting < 1 or args.max_running < 1:
-        print("kvgate replica: --threads, --max-waiting and --max-running must be >= 1", file=sys.stderr)
+    if min(args.threads, args.max_waiting, args.max_running, args.block_size, args.max_num_batched_tokens) < 1:
+        print("kvgate replica: --threads, --max-waiting, --max-running, --block-size and "
+              "--max-num-batched-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.kv_cache_gb <= 0:
+        print("kvgate replica: --kv-cache-gb must be > 0", file=sys.stderr)
         return 2
 
     from observability.logs import configure_logging
@@ -77,8 +89,22 @@ async def _serve(args, loaded, log) -> int:
     from replica.engine import Engine
     from replica.server import ReplicaServer
 
-    engine = Engine(loaded.model, loaded.config, loaded.tokenizer, max_model_len=loaded.max_model_len,
-                    max_waiting=args.max_waiting, max_running=args.max_running)
+    kv_events = None
+    if args.kv_events_endpoint:
+        from replica.kv_events import KVEventPublisher
+        kv_events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+    try:
+        engine = Engine(loaded.model, loaded.config, loaded.tokenizer, max_model_len=loaded.max_model_len,
+                        max_waiting=args.max_waiting, max_running=args.max_running,
+                        kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events)
+    except ValueError as exc:
+        if kv_events is not None:
+            kv_events.close()
+        log.error("engine_init_failed", error=str(exc))
+        return 2
+    log.info("kv_cache_ready", num_blocks=engine.pool.num_blocks, block_size=args.block_size,
+             kv_cache_bytes=engine.runner.kv_cache_bytes)
     engine.start()
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
                            max_model_len=loaded.max_model_len, vocab_size=loaded.config.vocab_size)
@@ -104,6 +130,8 @@ async def _serve(args, loaded, log) -> int:
     finally:
         await runner.cleanup()
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()
         # See gateway/server.py: join executor threads before uvloop closes the loop.
         await asyncio.get_running_loop().shutdown_default_executor()
     return 0

@@ -1,15 +1,17 @@
-"""Generation engine v0: one worker thread owns the model; asyncio submits and reads event streams.
+"""Generation engine: one worker thread runs scheduler steps over the paged model; asyncio submits
+requests and reads event streams.
 
 The asyncio side calls `submit(prompt_token_ids, params)` and iterates the returned RequestStream
-(one TokenEvent per generated token, the last one carrying finish_reason). The worker admits
-waiting sequences up to `max_running`, then runs one step for each running sequence in turn
-(prefill the first time, one decode token after), so concurrent requests all make progress.
-Each sequence owns a contiguous KVCache sized prompt + max_tokens; the paged cache and batched
-steps of the next version replace `_step` without changing this interface.
+(one TokenEvent per generated token, the last one carrying finish_reason). Each worker step:
+take new requests and aborts from the inbox, let the scheduler pick this step's chunks (decodes,
+prefill chunks, admissions, preemptions), run ONE batched forward through the model runner,
+sample, let the scheduler commit full blocks, emit tokens, free finished sequences, and publish
+the block pool's KV events.
 
-Thread boundary: the worker touches only its own lists plus `_waiting`/`_aborted` under `_cond`;
-events cross to the loop with `loop.call_soon_threadsafe`. A failure inside one sequence's step
-fails that request only.
+Thread boundary: the asyncio side touches only `_inbox`/`_aborted` under `_cond`; the scheduler
+and block pool belong to the worker, which holds `_state_lock` while it changes them so a reader
+(`cached_block_hashes`) sees a consistent pool. Events cross to the loop with
+`loop.call_soon_threadsafe`. A failed forward fails the requests in that step only.
 """
 from __future__ import annotations
 
@@ -18,14 +20,16 @@ import itertools
 import os
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import torch
 
-from protocol.errors import Overloaded, Unavailable
-from replica.model import KVCache
+from protocol.errors import BadRequest, Overloaded, Unavailable
+from replica.block_pool import BlockPool
+from replica.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner, StepItem, num_blocks_for_budget
 from replica.sampler import SamplingParams, sample
+from replica.scheduler import Scheduler, Sequence
 from tokenization.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("kvgate.replica.engine")
@@ -33,6 +37,7 @@ log = structlog.get_logger("kvgate.replica.engine")
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+DEFAULT_KV_CACHE_GB = 0.25
 
 
 @dataclass(slots=True)
@@ -42,6 +47,7 @@ class TokenEvent:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token ID that ended it
     error: BaseException | None = None
+    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
 
 
 class RequestStream:
@@ -77,34 +83,44 @@ class RequestStream:
 
 
 @dataclass(eq=False)
-class _Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
+class _Request:
+    sequence: Sequence
     params: SamplingParams
     stream: RequestStream
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
-    cache: object | None = None   # KVCache once prefilled
     emitted_chars: int = 0        # text released to the client so far
-    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.sequence.request_id
 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config, tokenizer, *, max_model_len: int,
-                 max_waiting: int = 256, max_running: int = 8, dtype: torch.dtype | None = None):
+                 max_waiting: int = 256, max_running: int = 64, dtype: torch.dtype | None = None,
+                 kv_cache_gb: float = DEFAULT_KV_CACHE_GB, num_blocks: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = 512,
+                 kv_events=None):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
-        self.max_running = max_running
         self.dtype = dtype or next(model.parameters()).dtype
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(config, block_size, self.dtype, kv_cache_gb)
+        self.runner = ModelRunner(model, config, num_blocks, block_size, self.dtype)
+        self.pool = BlockPool(num_blocks, block_size)
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_running)
+        self.kv_events = kv_events
         self._stop_token_ids = frozenset(tokenizer.stop_token_ids or [])
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
+        self._state_lock = threading.Lock()
+        self._inbox: deque[_Request] = deque()
         self._aborted: set[str] = set()
-        self._running: list[_Sequence] = []
+        self._requests: dict[str, _Request] = {}   # worker-owned: every request the scheduler holds
         self._stopping = False
         # Totals for /metrics, written by the worker only (reads from the loop are benign races).
         self.prompt_tokens_total = 0
@@ -119,32 +135,64 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._inbox) + len(self.scheduler.waiting)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; call from the event loop. Raises Overloaded when the queue is full."""
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.stats.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.scheduler.stats.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.scheduler.stats.prefix_cache_hits
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def cached_block_hashes(self) -> set[int]:
+        """The prefix cache's contents now (what a KV event subscriber should hold)."""
+        with self._state_lock:
+            return self.pool.cached_hashes()
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; call from the event loop. Raises Overloaded when the queue is full and
+        BadRequest when the request could never fit the KV cache."""
+        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise BadRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} need "
+                             f"{needed} KV cache blocks; this replica holds {self.pool.num_blocks}.",
+                             param="max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         request_id = f"seq-{next(self._ids)}"
         stream = RequestStream(request_id, prompt_token_ids, loop)
-        sequence = _Sequence(request_id, prompt_token_ids, params, stream,
-                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                             params.make_generator())
+        request = _Request(Sequence(request_id, list(prompt_token_ids), params.max_tokens, cache_salt),
+                           params, stream, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                           params.make_generator())
         with self._cond:
             if self._stopping:
                 raise Unavailable("The replica is shutting down.")
-            if len(self._waiting) >= self.max_waiting:
+            if self.num_waiting >= self.max_waiting:
                 raise Overloaded(f"Too many waiting requests ({self.max_waiting}); retry shortly.",
                                  retry_after_s=1)
-            self._waiting.append(sequence)
+            self._inbox.append(request)
             self._cond.notify()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Drop a request at the worker's next step and free its cache (idempotent)."""
+        """Drop a request at the worker's next step and free its blocks (idempotent)."""
         with self._cond:
             self._aborted.add(request_id)
             self._cond.notify()
@@ -161,72 +209,92 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._stopping and not self._running and not self._waiting:
+                    while not (self._stopping or self._inbox or self._aborted or self.scheduler.has_work()):
                         self._cond.wait()
                     if self._stopping:
                         break
+                    inbox, self._inbox = self._inbox, deque()
                     aborted, self._aborted = self._aborted, set()
-                    if aborted:
-                        self._drop_aborted(aborted)
-                    while self._waiting and len(self._running) < self.max_running:
-                        self._running.append(self._waiting.popleft())
-                # Round robin: one step per running sequence, then look at the queue again.
-                for sequence in list(self._running):
-                    if sequence.request_id in self._aborted:
-                        continue  # dropped at the top of the next round
-                    try:
-                        self._step(sequence)
-                    except Exception as exc:  # this request fails; the engine keeps serving
-                        log.exception("sequence_failed", request_id=sequence.request_id)
-                        sequence.finished = True
-                        sequence.stream._push_threadsafe(TokenEvent(None, "", error=exc))
-                    if sequence.finished:
-                        sequence.cache = None
-                        self._running.remove(sequence)
+                with self._state_lock:
+                    for request in inbox:
+                        self._admit(request)
+                    for request_id in aborted:
+                        request = self._requests.pop(request_id, None)
+                        if request is not None:
+                            self.scheduler.finish(request.sequence)
+                            request.stream._push_threadsafe(TokenEvent(None, "", FINISH_ABORT))
+                    chunks = self.scheduler.schedule()
+                if chunks:
+                    self._step(chunks)
+                self._publish_events()
         self._fail_all(Unavailable("The replica shut down before the request finished."))
 
-    def _drop_aborted(self, aborted: set[str]) -> None:
-        """Called with _cond held."""
-        for queue in (self._waiting, self._running):
-            for sequence in [s for s in queue if s.request_id in aborted]:
-                queue.remove(sequence)
-                sequence.cache = None
-                sequence.finished = True
-                sequence.stream._push_threadsafe(TokenEvent(None, "", FINISH_ABORT))
+    def _admit(self, request: _Request) -> None:
+        ids = request.sequence.prompt_token_ids
+        if ids and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
+            request.stream._push_threadsafe(TokenEvent(None, "", error=ValueError(
+                f"prompt token IDs must be in [0, {self.config.vocab_size})")))
+            return
+        self.scheduler.add(request.sequence)
+        self._requests[request.request_id] = request
+        self.prompt_tokens_total += len(ids)
+
+    def _step(self, chunks) -> None:
+        items = [StepItem(c.token_ids, c.start, c.sequence.block_ids, c.samples) for c in chunks]
+        try:
+            logits = self.runner.execute(items)
+            sampling = [c for c in chunks if c.samples]
+            greedy = logits.argmax(-1).tolist()  # one batched argmax covers every greedy row
+            sampled = {}
+            for row, chunk in enumerate(sampling):
+                request = self._requests[chunk.sequence.request_id]
+                params = request.params
+                sampled[id(chunk.sequence)] = greedy[row] if params.greedy else \
+                    sample(logits[row], params, request.generator or self._shared_generator)
+        except Exception as exc:  # the requests of this step fail; the engine keeps serving
+            log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
+            with self._state_lock:
+                for chunk in chunks:
+                    request = self._requests.pop(chunk.sequence.request_id)
+                    self.scheduler.finish(chunk.sequence)
+                    request.stream._push_threadsafe(TokenEvent(None, "", error=exc))
+            return
+        with self._state_lock:
+            self.scheduler.update(chunks, sampled)
+            for chunk in sampling:
+                request = self._requests[chunk.sequence.request_id]
+                self.generation_tokens_total += 1
+                if self._append_token(request, chunk.sequence.output_token_ids[-1]):
+                    del self._requests[request.request_id]
+                    self.scheduler.finish(chunk.sequence)
+
+    def _publish_events(self) -> None:
+        with self._state_lock:
+            events = self.pool.drain_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(events)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:
-            pending = list(self._running) + list(self._waiting)
-            self._running.clear()
-            self._waiting.clear()
-        for sequence in pending:
-            sequence.stream._push_threadsafe(TokenEvent(None, "", error=error))
+            pending = list(self._requests.values()) + list(self._inbox)
+            self._requests.clear()
+            self._inbox.clear()
+        for request in pending:
+            request.stream._push_threadsafe(TokenEvent(None, "", error=error))
 
-    def _step(self, sequence: _Sequence) -> None:
-        if sequence.cache is None:  # prefill: the whole prompt in one forward
-            sequence.cache = KVCache(self.config, len(sequence.prompt_token_ids) + sequence.params.max_tokens,
-                                     self.dtype)
-            input_ids = torch.tensor(sequence.prompt_token_ids, dtype=torch.long)
-            self.prompt_tokens_total += len(sequence.prompt_token_ids)
-        else:
-            input_ids = torch.tensor(sequence.output_token_ids[-1:], dtype=torch.long)
-        logits = self.model(input_ids, sequence.cache, last_only=True)
-        token_id = sample(logits[-1], sequence.params, sequence.generator or self._shared_generator)
-        self.generation_tokens_total += 1
-        self._append_token(sequence, token_id)
-
-    def _append_token(self, sequence: _Sequence, token_id: int) -> None:
-        params = sequence.params
-        sequence.output_token_ids.append(token_id)
-        sequence.detokenizer.add(token_id)
-        text = sequence.detokenizer.text
+    def _append_token(self, request: _Request, token_id: int) -> bool:
+        """Emit one token's event; True when it finished the request."""
+        params = request.params
+        sequence = request.sequence
+        request.detokenizer.add(token_id)
+        text = request.detokenizer.text
         finish, stop_reason = None, None
         if token_id in params.stop_token_ids:
             finish, stop_reason = FINISH_STOP, token_id
         elif not params.ignore_eos and token_id in self._stop_token_ids:
             finish = FINISH_STOP
         if params.stop:
-            hit = find_stop_string(text, params.stop, sequence.emitted_chars)
+            hit = find_stop_string(text, params.stop, request.emitted_chars)
             if hit is not None:
                 cut_at, stop_string = hit
                 text = text[:cut_at]
@@ -234,10 +302,11 @@ class Engine:
         if finish is None and len(sequence.output_token_ids) >= params.max_tokens:
             finish = FINISH_LENGTH
         release_to = len(text) if finish else len(text) - held_back_chars(text, params.stop)
-        delta = text[sequence.emitted_chars:max(sequence.emitted_chars, release_to)]
-        sequence.emitted_chars += len(delta)
-        sequence.finished = finish is not None
-        sequence.stream._push_threadsafe(TokenEvent(token_id, delta, finish, stop_reason))
+        delta = text[request.emitted_chars:max(request.emitted_chars, release_to)]
+        request.emitted_chars += len(delta)
+        request.stream._push_threadsafe(TokenEvent(token_id, delta, finish, stop_reason,
+                                                   num_cached_tokens=sequence.num_cached_tokens or 0))
+        return finish is not None
 
 
 def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:

@@ -23,8 +23,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class EngineStats(Protocol):
     num_running: int
     num_waiting: int
+    kv_cache_usage: float
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
 
 
 class _EngineCollector:
@@ -39,13 +43,21 @@ class _EngineCollector:
         label = [self._model_name]
         for name, doc, value in (
                 ("vllm:num_requests_running", "Requests in the engine's running set.", self._engine.num_running),
-                ("vllm:num_requests_waiting", "Requests queued, not yet running.", self._engine.num_waiting)):
+                ("vllm:num_requests_waiting", "Requests queued, not yet running.", self._engine.num_waiting),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+                 self._engine.kv_cache_usage)):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(label, value)
             yield family
         for name, doc, value in (
                 ("vllm:prompt_tokens", "Prefilled prompt tokens.", self._engine.prompt_tokens_total),
-                ("vllm:generation_tokens", "Generated tokens.", self._engine.generation_tokens_total)):
+                ("vllm:generation_tokens", "Generated tokens.", self._engine.generation_tokens_total),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 self._engine.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 self._engine.prefix_cache_hits),
+                ("vllm:num_preemptions", "Sequences preempted (blocks freed, recomputed later).",
+                 self._engine.num_preemptions)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(label, value)
             yield family

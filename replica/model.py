@@ -1,5 +1,9 @@
 """Llama-family causal LM in plain torch: RMSNorm, RoPE (with llama3/linear scaling), grouped-query
-attention over a per-sequence KV cache, SwiGLU MLP, tied or untied embeddings.
+attention over a paged KV cache, SwiGLU MLP, tied or untied embeddings.
+
+One forward runs a whole engine step: the new tokens of every scheduled sequence, concatenated
+(varlen), decode rows (one token each) first, then prefill chunks. `StepMetadata` (built by the
+model runner) says where each token's K/V goes and which blocks each sequence reads.
 
 Projections are fused (qkv, gate+up) so a decode step is 4 matmuls per layer: on CPU the per-op
 overhead, not the FLOPs, dominates a small model's decode.
@@ -13,7 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class StepMetadata:
+    """One step's varlen batch. Tokens [0, num_decode_tokens) are decode rows (one per sequence,
+    attention via paged_decode_attention); the rest are prefill chunks (paged_prefill_attention)."""
+    positions: torch.Tensor              # [T] int64, absolute position of each new token
+    slot_mapping: torch.Tensor           # [T] int64, block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor    # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor    # [D] int32 (including the new token)
+    prefill_block_tables: torch.Tensor   # [P, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [P + 1] int32, offsets into the prefill rows
+    prefill_context_lens: torch.Tensor   # [P] int32
+    logits_indices: torch.Tensor | None  # [S] int64 rows whose logits are wanted; None = all
 
 
 @dataclass(frozen=True)
@@ -86,17 +107,6 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class KVCache:
-    """Contiguous K/V for one sequence: k[layer] and v[layer] are [max_tokens, n_kv_heads, head_dim]."""
-
-    def __init__(self, config: LlamaConfig, max_tokens: int, dtype, device="cpu"):
-        shape = (config.num_hidden_layers, max_tokens, config.num_key_value_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_tokens = max_tokens
-        self.length = 0
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -124,6 +134,7 @@ class DecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim ** -0.5
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Parameter(torch.empty(q_size + 2 * kv_size, config.hidden_size))
         self.o_proj = nn.Parameter(torch.empty(config.hidden_size, q_size))
@@ -131,7 +142,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size))
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
         T = x.shape[0]
         h = self.input_layernorm(x)
         q, k, v = F.linear(h, self.qkv_proj).split(self.split_sizes, dim=-1)
@@ -139,15 +150,18 @@ class DecoderLayer(nn.Module):
         k = k.view(T, self.n_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        end = start + T
-        k_cache[start:end] = k
-        v_cache[start:end] = v.view(T, self.n_kv_heads, self.head_dim)
-        # [heads, tokens, head_dim] views; SDPA broadcasts kv heads over query groups (enable_gqa).
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k_cache[:end].transpose(0, 1), v_cache[:end].transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        x = x + F.linear(attn.transpose(0, 1).reshape(T, -1), self.o_proj)
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v.view(T, self.n_kv_heads, self.head_dim))
+        d = meta.num_decode_tokens
+        parts = []
+        if d:
+            parts.append(paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, self.scale))
+        if d < T:
+            parts.append(paged_prefill_attention(q[d:], k_cache, v_cache, meta.prefill_block_tables,
+                                                 meta.prefill_query_start_loc, meta.prefill_context_lens,
+                                                 self.scale))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        x = x + F.linear(attn.reshape(T, -1), self.o_proj)
         gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_proj)
 
@@ -174,23 +188,15 @@ class LlamaForCausalLM(nn.Module):
         return self._cos, self._sin
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.LongTensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
-        T = input_ids.shape[0]
-        start = cache.length
-        end = start + T
-        if end > cache.max_tokens:
-            raise ValueError(f"KV cache holds {cache.max_tokens} tokens; {end} requested")
+    def forward(self, input_ids: torch.LongTensor, meta: StepMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Float32 logits [S, vocab] for the rows in meta.logits_indices (all rows if None)."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self._rope_tables(end, x.dtype, x.device)
-        cos, sin = cos[start:end], sin[start:end]
-        mask = None
-        if T > 1 and start > 0:  # query i sees the cached prefix plus new tokens up to itself
-            positions = torch.arange(end, device=x.device)
-            mask = positions[None, :] <= (positions[start:end, None])
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
-        cache.length = end
-        if last_only:
-            x = x[-1:]
+        cos, sin = self._rope_tables(int(meta.positions.max()) + 1, x.dtype, x.device)
+        cos, sin = cos[meta.positions], sin[meta.positions]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        if meta.logits_indices is not None:
+            x = x[meta.logits_indices]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(self.norm(x), head).float()

@@ -48,9 +48,9 @@ def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ReplicaServer:
@@ -77,6 +77,12 @@ class ReplicaServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/kvgate/tokenizer", self.tokenizer_payload)
+        app.router.add_get("/kvgate/cache", self.cache_contents)
+        # Registration probes of other routers (SGLang router, vLLM router): they read these.
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self.model_info)
         return app
 
     # -- small endpoints ------------------------------------------------------------------------
@@ -90,6 +96,30 @@ class ReplicaServer:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def cache_contents(self, request: web.Request) -> web.Response:
+        """The prefix cache's block hashes now: what a KV event subscriber should hold."""
+        hashes = await asyncio.get_running_loop().run_in_executor(None, self.engine.cached_block_hashes)
+        return json_response({"block_size": self.engine.block_size, "block_hashes": sorted(hashes)})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return json_response({"model_path": self.source, "tokenizer_path": self.source,
+                              "served_model_name": self.model_name, "is_generation": True,
+                              "max_model_len": self.max_model_len, "preferred_sampling_params": None,
+                              "weight_version": "default"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        return json_response({"model_path": self.source, "tokenizer_path": self.source,
+                              "served_model_name": self.model_name, "is_generation": True,
+                              "max_model_len": self.max_model_len, "context_length": self.max_model_len,
+                              "page_size": engine.block_size, "block_size": engine.block_size,
+                              "max_total_num_tokens": engine.pool.num_blocks * engine.block_size,
+                              "max_running_requests": engine.scheduler.max_num_seqs,
+                              "chunked_prefill_size": engine.scheduler.max_num_batched_tokens,
+                              "disaggregation_mode": "null", "engine": "kvgate",
+                              "num_requests_running": engine.num_running,
+                              "num_requests_waiting": engine.num_waiting})
 
     async def tokenizer_payload(self, request: web.Request) -> web.Response:
         return web.Response(body=self._tokenizer_payload, content_type="application/json")
@@ -145,7 +175,7 @@ class ReplicaServer:
     async def _generate(self, request: web.Request, body: AnyRequest, prompt_ids: list[int],
                         params: SamplingParams, arrival_s: float, *, chat: bool,
                         echo_text: str = "") -> web.StreamResponse:
-        stream = self.engine.submit(prompt_ids, params)
+        stream = self.engine.submit(prompt_ids, params, cache_salt=body.cache_salt)
         finished = False
         try:
             shaper = _Shaper(self, body, request, prompt_ids, chat)
@@ -267,6 +297,7 @@ class _Shaper:
                  prompt_ids: list[int], chat: bool):
         self.chat = chat
         self.prompt_ids = prompt_ids
+        self.cached_tokens = 0  # from the engine's events: prompt tokens reused from the prefix cache
         self.return_token_ids = bool(body.return_token_ids)
         options = body.stream_options
         self.include_usage = bool(options and options.include_usage)
@@ -286,6 +317,7 @@ class _Shaper:
         return [chunk]
 
     def token_chunk(self, ev: TokenEvent, text: str, completion_tokens: int) -> dict:
+        self.cached_tokens = ev.num_cached_tokens
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
                       "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
@@ -298,18 +330,19 @@ class _Shaper:
             choice["token_ids"] = [ev.token_id]
         chunk = {**self.base, "choices": [choice]}
         if self.continuous_usage:
-            chunk["usage"] = usage_of(len(self.prompt_ids), completion_tokens)
+            chunk["usage"] = usage_of(len(self.prompt_ids), completion_tokens, self.cached_tokens)
         return chunk
 
     def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self.base, "choices": [], "usage": usage_of(len(self.prompt_ids), completion_tokens)}
+        return {**self.base, "choices": [], "usage": usage_of(len(self.prompt_ids), completion_tokens,
+                                                              self.cached_tokens)}
 
     def full_response(self, text: str, output_ids: list[int], last: TokenEvent | None) -> dict:
         finish_reason = last.finish_reason if last else None
         stop_reason = last.stop_reason if last else None
         token_ids = output_ids if self.return_token_ids else None
         prompt_ids = self.prompt_ids if self.return_token_ids else None
-        usage = usage_of(len(self.prompt_ids), len(output_ids))
+        usage = usage_of(len(self.prompt_ids), len(output_ids), last.num_cached_tokens if last else 0)
         if self.chat:
             message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                        "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}

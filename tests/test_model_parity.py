@@ -95,10 +95,11 @@ def test_prefill_in_chunks_equals_prefill_at_once():
     loaded = load_model("tiny")
     ids = loaded.tokenizer.encode(TEXT_PROMPTS[3])
     # Scattered, out-of-order block tables: the paged path must not assume contiguous blocks.
-    whole = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=4)
-    table = [7, 2, 5, 0, 3, 6, 1, 4][: -(-len(ids) // 4)]
+    count = -(-len(ids) // 4)
+    whole = ModelRunner(loaded.model, loaded.config, num_blocks=count, block_size=4)
+    table = list(range(count))[::-1]
     expected = whole.execute([StepItem(ids, 0, table, True)], all_logits=True)
-    chunked = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=4)
+    chunked = ModelRunner(loaded.model, loaded.config, num_blocks=count, block_size=4)
     first = chunked.execute([StepItem(ids[:7], 0, table, True)], all_logits=True)
     rest = chunked.execute([StepItem(ids[7:], 7, table, True)], all_logits=True)
     torch.testing.assert_close(torch.cat([first, rest]), expected, rtol=1e-4, atol=1e-4)

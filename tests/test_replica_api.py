@@ -16,7 +16,7 @@ import torch
 from protocol.errors import Overloaded
 from replica.engine import Engine
 from replica.loader import load_model
-from replica.model import KVCache
+from replica.model_runner import ModelRunner, greedy_generate
 from replica.sampler import SamplingParams
 from tests.servers import REPO_ROOT, run_replica
 
@@ -155,13 +155,7 @@ def test_streamed_chat_matches_non_streamed_for_greedy(client):
 def test_greedy_tokens_over_http_equal_the_models_own_greedy_loop(client, tiny):
     prompt = tiny.tokenizer.encode("Hello, world! How are you today?")
     steps = 16
-    cache = KVCache(tiny.config, len(prompt) + steps, torch.float32)
-    expected, input_ids = [], prompt
-    with torch.inference_mode():
-        for _ in range(steps):
-            logits = tiny.model(torch.tensor(input_ids), cache, last_only=True)
-            expected.append(int(torch.argmax(logits[-1])))
-            input_ids = expected[-1:]
+    expected = greedy_generate(ModelRunner(tiny.model, tiny.config, num_blocks=8), prompt, steps)
     body = complete(client, prompt=prompt, max_tokens=steps, return_token_ids=True, **GREEDY)
     assert body["choices"][0]["token_ids"] == expected
 
