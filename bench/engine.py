@@ -1,0 +1,206 @@
+"""Serving-engine benchmark: batched decode throughput vs HF transformers, prefix-cache TTFT,
+decode step time vs a memory-bandwidth roofline, resident memory under a burst.
+
+    .venv/bin/python bench/engine.py [--model smollm2|tiny|DIR] [--threads 2] [--new-tokens 32]
+
+Everything is measured in one run on the same model and prompts; the memory figure comes from
+a real replica process (`python -m replica`) whose peak RSS (VmHWM) is read after a burst.
+Ends with `target <name>: <value> (goal <op> <n>) met|short` lines.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from replica.engine import Engine  # noqa: E402
+from replica.loader import load_model  # noqa: E402
+from replica.sampler import SamplingParams  # noqa: E402
+
+
+def target(name: str, value: float, op: str, goal: float, unit: str = "") -> None:
+    met = value >= goal if op == ">=" else value <= goal
+    print(f"target {name}: {value:.3g}{unit} (goal {op} {goal:g}{unit}) {'met' if met else 'short'}")
+
+
+def measure_bandwidth_bytes_per_s(size_mb: int = 512, repeats: int = 5) -> float:
+    """A large tensor copy: reads size + writes size bytes."""
+    src = torch.ones(size_mb * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+async def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int):
+    """Submit all at once; returns (wall_s, tokens, per-request list of token arrival times)."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+
+    async def one(prompt):
+        times = []
+        async for _ in engine.submit(prompt, greedy):
+            times.append(time.perf_counter())
+        return times
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - start, sum(len(r) for r in results), results, start
+
+
+def hf_tokens_per_s(loaded, prompts: list[list[int]], new_tokens: int) -> float:
+    import transformers
+
+    source = Path(loaded.source)
+    if source.suffix == ".gguf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                               dtype=torch.float32).eval()
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    start = time.perf_counter()
+    produced = 0
+    with torch.no_grad():
+        for prompt in prompts:  # one at a time, as a plain HF server would
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            produced += out.shape[1] - len(prompt)
+    del hf
+    return produced / (time.perf_counter() - start)
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+
+
+def replica_peak_rss(model: str, kv_cache_gb: float, threads: int, burst: int, prompt_len: int,
+                     new_tokens: int, vocab: int) -> tuple[float, float, str]:
+    """Start a replica, send `burst` concurrent requests; its RSS before and the peak during the
+    burst (sampled every 20 ms; the load-time peak of weight conversion is not the serving state)."""
+    import threading
+    import httpx2 as httpx
+
+    from tests.servers import run_replica
+
+    rng = random.Random(7)
+    with run_replica(model, threads=threads, extra_args=["--kv-cache-gb", str(kv_cache_gb)],
+                     startup_timeout_s=300) as replica:
+        def one(i):
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            r = httpx.post(replica.url + "/v1/completions", timeout=600,
+                           json={"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+            return r.status_code
+
+        pid = replica.proc.pid
+        before = _rss_bytes(pid)
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.02):
+                peak[0] = max(peak[0], _rss_bytes(pid))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            with ThreadPoolExecutor(burst) as pool:
+                codes = list(pool.map(one, range(burst)))
+        finally:
+            done.set()
+            sampler.join()
+    return float(before), float(peak[0]), f"{codes.count(200)}/{burst} ok"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-gb", type=float, default=0.5)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    print(f"model {loaded.name} ({loaded.source}), load {time.perf_counter() - t0:.1f}s, threads {args.threads}")
+    vocab = loaded.config.vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(16)]
+    engine = Engine(loaded.model, loaded.config, loaded.tokenizer, max_model_len=loaded.max_model_len,
+                    kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=512)
+    engine.start()
+    bandwidth = measure_bandwidth_bytes_per_s()
+    print(f"memory bandwidth (torch copy, read+write): {bandwidth / 1e9:.1f} GB/s")
+    try:
+        asyncio.run(run_batch(engine, prompts[:2], 4))  # warm-up
+        throughput = {}
+        for concurrency in (1, 4, 16):
+            wall, tokens, _, _ = asyncio.run(run_batch(engine, prompts[:concurrency], args.new_tokens))
+            throughput[concurrency] = tokens / wall
+            print(f"engine  concurrency {concurrency:2d}: {tokens} tokens in {wall:.2f}s = "
+                  f"{throughput[concurrency]:.1f} tok/s")
+
+        # TTFT: a 2,000-token prompt cold, then another whose first 1,800 tokens are cached.
+        long_prompt = [rng.randrange(100, vocab) for _ in range(2000)]
+        cold_prompt = [rng.randrange(100, vocab) for _ in range(2000)]
+        _, _, cold_times, cold_start = asyncio.run(run_batch(engine, [cold_prompt], 1))
+        ttft_cold = cold_times[0][0] - cold_start
+        asyncio.run(run_batch(engine, [long_prompt[:1800]], 1))  # puts 112 full blocks in the cache
+        hits_before = engine.prefix_cache_hits
+        _, _, warm_times, warm_start = asyncio.run(run_batch(engine, [long_prompt], 1))
+        ttft_warm = warm_times[0][0] - warm_start
+        print(f"TTFT 2000-token prompt: uncached {ttft_cold * 1000:.0f} ms, "
+              f"{engine.prefix_cache_hits - hits_before} tokens cached {ttft_warm * 1000:.0f} ms")
+
+        # Decode step time at batch 1 vs roofline (weights + KV read once per step).
+        steps = 64
+        _, _, times, _ = asyncio.run(run_batch(engine, [prompts[0]], steps + 1))
+        step_s = (times[0][-1] - times[0][0]) / steps
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        cfg = loaded.config
+        mean_context = len(prompts[0]) + steps // 2
+        kv_bytes = 2 * cfg.num_hidden_layers * mean_context * cfg.num_key_value_heads * cfg.head_dim * 4
+        roofline_s = (weight_bytes + kv_bytes) / bandwidth
+        print(f"decode step batch 1: {step_s * 1000:.2f} ms; roofline {roofline_s * 1000:.2f} ms "
+              f"({(weight_bytes + kv_bytes) / 1e6:.0f} MB / {bandwidth / 1e9:.1f} GB/s); "
+              f"fraction of roofline reached: {roofline_s / step_s:.2f}")
+    finally:
+        engine.shutdown()
+
+    hf_tps = None
+    if not args.skip_hf:
+        hf_tps = hf_tokens_per_s(loaded, prompts, args.new_tokens)
+        print(f"HF transformers generate, one at a time: {hf_tps:.1f} tok/s")
+        for concurrency in (1, 4, 16):
+            print(f"  engine/HF at concurrency {concurrency}: {throughput[concurrency] / hf_tps:.2f}x")
+
+    model_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    kv_budget = args.kv_cache_gb * (1 << 30)
+    before, peak, ok = replica_peak_rss(args.model, args.kv_cache_gb, 1, 64, 64, 16, vocab)
+    allowed = kv_budget + model_bytes + 300e6
+    print(f"replica RSS idle {before / 1e6:.0f} MB, peak under a burst of 64 ({ok}): {peak / 1e6:.0f} MB; "
+          f"KV budget {kv_budget / 1e6:.0f} MB "
+          f"+ model {model_bytes / 1e6:.0f} MB + 300 MB = {allowed / 1e6:.0f} MB")
+
+    if hf_tps is not None:
+        target("decode_speedup_16", throughput[16] / hf_tps, ">=", 5, "x")
+    target("cached_ttft_ratio", ttft_warm / ttft_cold, "<=", 0.2, "x")
+    target("burst_rss_mb", peak / 1e6, "<=", round(allowed / 1e6), " MB")
+    print(f"roofline_fraction_batch1: {roofline_s / step_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
