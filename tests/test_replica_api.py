@@ -419,3 +419,22 @@ def test_errors_and_streams_carry_the_request_id(client):
                        headers={"x-request-id": "s-1"}) as response:
         assert response.headers["x-request-id"] == "s-1"
         assert json.loads(next(response.iter_lines())[len("data: "):])["id"] == "cmpl-s-1"
+
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info", "/model_info", "/get_model_info"])
+def test_router_registration_probes_answer(client, path):
+    response = client.get(path)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["is_generation"] is True and body["model_path"] and body["tokenizer_path"]
+    assert body["served_model_name"] == "tiny"
+
+
+def test_metrics_carry_vllm_cache_and_scheduler_names(client):
+    complete(client, prompt="metrics please", max_tokens=2, **GREEDY)
+    text = client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"):
+        assert f"\n{name}{{" in text, name
+    assert metric(client, "vllm:prefix_cache_queries_total") > 0
