@@ -1,8 +1,19 @@
 """Routing decision time and prefix-table memory: an 8,000-token prompt, 16 replicas, 1M cached blocks.
 
 Run: .venv/bin/python bench/routing_micro.py [--iterations N]
-Decision = cache_aware.choose (table match + load + score + the approximate-mode insert),
-tokenization excluded; reported with the prompt's block hashes precomputed and with hashing.
+Decision = cache_aware.choose (table match + load + score), tokenization excluded, precise mode
+(learn_from_routing off: the table is fed by KV events, not by the decision). Rows:
+  hashes given, uint64 array   the prompt's block hashes precomputed as a numpy uint64 array
+  hashes given, list           precomputed as the list routing.hashing.block_hashes returns (what
+                               the gateway passes today: match converts it, ~20 us for 500 ints)
+  hashing included             block_hashes(token IDs list) + choose, in the timed region
+  + approximate-mode insert    choose with learn_from_routing on (the prompt's 500 blocks inserted
+                               as guesses on the chosen replica, inside choose); not in the target
+A noise-floor row times a plain Python loop of the decision's duration the same way: the machine's
+own p99 (scheduler, neighbours).
+The target line is the worst p99 of the "hashes given" rows over both prompts (the issue excludes
+tokenization, and block hashing is reported on its own rows). Timings are wall clock on whatever
+else the machine runs: compare runs side by side, not against a number from another machine.
 """
 from __future__ import annotations
 
@@ -25,11 +36,23 @@ def percentile(values, q):
     return values[min(int(len(values) * q), len(values) - 1)]
 
 
+def timed(fn, n: int, warmup: int = 20) -> list[int]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        started = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - started)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=1000)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    random.seed(0)
     clock_now = [0.0]
     tracemalloc.start()
     state = RoutingState(clock=lambda: clock_now[0])
@@ -41,39 +64,64 @@ def main() -> None:
     traced, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     cached = sum(table.size(r) for r in REPLICAS)
-    policy = make_policy("cache_aware", {"learn_from_routing": False}, state)
+    precise = make_policy("cache_aware", {"learn_from_routing": False}, state)
     tokens = [random.randrange(50_000) for _ in range(8000)]
     hashes = block_hashes(tokens)
     for name, blocks in (("r3", 64), ("r7", 300), ("r11", 500)):  # shared prefixes of various lengths
         table.insert(name, hashes[:blocks], guessed=False, now=0)
-    prompts = {"no match": block_hashes([t + 1 for t in tokens]), "64..500-block matches": hashes}
-    rows = []
+    other_tokens = [t + 1 for t in tokens]
+    prompts = {"no match": (other_tokens, block_hashes(other_tokens)), "64..500-block matches": (tokens, hashes)}
+    n = args.iterations
+    n_hashing = max(n // 4, 200)
+    rows = []  # (prompt, mode, in target, p50 us, p99 us)
     gc.disable()
-    for label, prompt_hashes in prompts.items():
-        keys = np.asarray(prompt_hashes, dtype=np.uint64)
-        for with_hashing in (False, True):
-            times = []
-            n = args.iterations if not with_hashing else max(args.iterations // 4, 200)
-            for _ in range(n):
-                started = time.perf_counter_ns()
-                h = block_hashes(tokens) if with_hashing else keys
-                policy.choose(REPLICAS, RouteRequest(model="m", prompt_token_ids=tokens, block_hashes=h))
-                times.append(time.perf_counter_ns() - started)
-            rows.append((label, "with hashing" if with_hashing else "hashes given",
-                         percentile(times, 0.5) / 1e3, percentile(times, 0.99) / 1e3))
+    for label, (prompt_tokens, prompt_hashes) in prompts.items():
+        as_array = np.asarray(prompt_hashes, dtype=np.uint64)
+        modes = (
+            ("hashes given, uint64 array", True, n,
+             lambda: precise.choose(REPLICAS, RouteRequest(model="m", prompt_token_ids=prompt_tokens,
+                                                           block_hashes=as_array))),
+            ("hashes given, list", True, n,
+             lambda: precise.choose(REPLICAS, RouteRequest(model="m", prompt_token_ids=prompt_tokens,
+                                                           block_hashes=prompt_hashes))),
+            ("hashing included", False, n_hashing,
+             lambda: precise.choose(REPLICAS, RouteRequest(model="m", prompt_token_ids=prompt_tokens,
+                                                           block_hashes=block_hashes(prompt_tokens)))),
+        )
+        for mode, in_target, count, fn in modes:
+            times = timed(fn, count)
+            rows.append((label, mode, in_target, percentile(times, 0.5) / 1e3, percentile(times, 0.99) / 1e3))
+    hashing = timed(lambda: block_hashes(tokens), n_hashing)
+    rows.append(("(any)", "block hashing alone", False, percentile(hashing, 0.5) / 1e3, percentile(hashing, 0.99) / 1e3))
+    # The machine's own tail: a fixed Python loop as long as the slowest in-target decision's p50,
+    # timed the same way. If its p99 is milliseconds too, the decision's p99 is the scheduler's
+    # (neighbours preempting us for a time slice every few ms), not the code's.
+    decision_p50_ns = max(row[3] for row in rows if row[2]) * 1e3
+    probe = timed(lambda: sum(range(1000)), 200)
+    steps = max(int(1000 * decision_p50_ns / percentile(probe, 0.5)), 100)
+    floor = timed(lambda: sum(range(steps)), n)
+    rows.append(("(machine noise floor)", f"sum(range({steps})) loop", False,
+                 percentile(floor, 0.5) / 1e3, percentile(floor, 0.99) / 1e3))
+    # Last: it writes guesses into the table (the chosen replica gets the prompt's blocks).
+    approximate = make_policy("cache_aware", {"learn_from_routing": True}, state)
+    as_array = np.asarray(hashes, dtype=np.uint64)
+    times = timed(lambda: approximate.choose(REPLICAS, RouteRequest(model="m", prompt_token_ids=tokens,
+                                                                    block_hashes=as_array)), n_hashing)
+    rows.append(("64..500-block matches", "+ approximate-mode insert", False,
+                 percentile(times, 0.5) / 1e3, percentile(times, 0.99) / 1e3))
     gc.enable()
+
     print(f"prefix table: {cached:,} cached blocks on {len(REPLICAS)} replicas; arrays {table.memory_bytes():,} B, "
           f"tracemalloc {traced:,} B")
-    print(f"{'prompt (8,000 tokens, 500 blocks)':<36}{'':<16}{'p50 us':>10}{'p99 us':>10}")
-    for label, mode, p50, p99 in rows:
-        print(f"{label:<36}{mode:<16}{p50:>10.1f}{p99:>10.1f}")
-    p99 = max(row[3] for row in rows if row[1] == "hashes given")
+    print(f"{'prompt (8k tokens, 500 blk)':<28}{'mode':<30}{'includes hashing':<18}{'in target':<11}"
+          f"{'p50 us':>9}{'p99 us':>9}")
+    for label, mode, in_target, p50, p99 in rows:
+        includes = "yes" if "hashing" in mode else "-" if label.startswith("(machine") else "no"
+        print(f"{label:<28}{mode:<30}{includes:<18}{'yes' if in_target else 'no':<11}{p50:>9.1f}{p99:>9.1f}")
+    p99 = max(row[4] for row in rows if row[2])
     per_block = traced / cached
-    print(f"target routing_decision_p99_us: {p99:.1f} (goal <= 50, hashes given, worst prompt) "
-          f"{'met' if p99 <= 50 else 'short'}")
+    print(f"target routing_decision_p99_us: {p99:.1f} (goal <= 50) {'met' if p99 <= 50 else 'short'}")
     print(f"target bytes_per_cached_block: {per_block:.1f} (goal <= 64) {'met' if per_block <= 64 else 'short'}")
-
-
 
 
 if __name__ == "__main__":

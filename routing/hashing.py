@@ -27,17 +27,32 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
                  cache_salt: str | None = None, parent_hash: int = ROOT_HASH) -> list[int]:
     """Hashes of every full block of `token_ids`, chained from `parent_hash`.
 
-    Fast path: the IDs are packed to bytes once and each block hashes a slice, so an
-    8k-token prompt (500 blocks) costs ~500 short xxh3 calls and no per-token Python work."""
+    The IDs are packed to bytes once (a list of ints costs ~13 ns a token to convert; an
+    array('I') or a uint32 numpy array is used as is), then one tight loop per block: prebound
+    names, one 8+64-byte concatenation and one xxh3 call, the salt handled outside the loop."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    packed = array("I", token_ids).tobytes()
+    packed = _packed(token_ids)
     block_bytes = 4 * block_size
-    hashes: list[int] = []
-    parent = parent_hash
+    end = len(packed) - len(packed) % block_bytes
+    if end == 0:
+        return []
+    xxh = _xxh
     salt = cache_salt.encode() if cache_salt else b""
-    for start in range(0, len(packed) - block_bytes + 1, block_bytes):
-        extra = salt if start == 0 else b""
-        parent = _xxh(parent.to_bytes(8, "little") + extra + packed[start:start + block_bytes])
-        hashes.append(parent)
+    parent = xxh(parent_hash.to_bytes(8, "little") + salt + packed[:block_bytes])
+    hashes = [parent]
+    append = hashes.append
+    for start in range(block_bytes, end, block_bytes):
+        parent = xxh(parent.to_bytes(8, "little") + packed[start:start + block_bytes])
+        append(parent)
     return hashes
+
+
+def _packed(token_ids) -> bytes:
+    """Token IDs as native uint32 bytes (what array('I') gives; little-endian on every platform we run)."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids.tobytes()
+    dtype = getattr(token_ids, "dtype", None)  # numpy without importing it: this module is stdlib + xxhash
+    if dtype is not None and dtype.char == "I" and dtype.isnative:
+        return token_ids.tobytes()
+    return array("I", token_ids).tobytes()

@@ -2,8 +2,8 @@
 
 One table per model pool. Layout, chosen for bytes per cached block and vectorised lookups:
   - a bucketed hash table in flat numpy arrays: 8 slots per bucket, two candidate buckets
-    per key (low bits, high bits of the 64-bit block hash), so a lookup is one gather of 16
-    slots per prompt block and no probe loop. Per slot: key (uint64, 0 = empty), `held`
+    per key (the two 32-bit halves of the mixed 64-bit block hash), so a lookup is one gather
+    of 16 slots per prompt block and no probe loop; a whole prompt is matched in one pass. Per slot: key (uint64, 0 = empty), `held`
     (uint64 bitmask of replicas holding the block), `guessed` (bitmask: held only because
     we routed there, not confirmed by a KV event), `stamp` (uint32 ticks of 10 ms: last
     time any replica inserted or touched the block).
@@ -21,13 +21,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-SLOTS_PER_BUCKET = 8
+SLOTS_PER_BUCKET = 8  # _lookup's shifts (>> 3, >> 4, & 7) assume 8: one 64-byte cache line of keys
 MAX_REPLICAS = 64
 TICKS_PER_S = 100  # stamp resolution 10 ms; uint32 ticks wrap after ~497 days
 MAX_LOAD = 0.80    # table slots >= total capacity / MAX_LOAD: two-choice buckets rarely overflow
 
 _U64 = np.uint64
 _ONE = np.uint64(1)
+_MIX = np.uint64(0x9E37_79B9_7F4A_7C15)  # odd (2**64 / golden ratio): bucket mixing
 
 
 class PrefixTableError(ValueError):
@@ -108,53 +109,56 @@ class PrefixTable:
     def match(self, hashes, now: float, candidates: Iterable[str] | None = None) -> dict[str, int]:
         """Matched prefix length in blocks for every candidate (default: every replica).
 
-        Cost is linear in the prompt's blocks (one 16-slot gather each), independent of the
-        table's size. A replica's match ends at its first missing block (chain property)."""
+        One vectorised pass over all the prompt's blocks (~15 numpy calls, no per-block Python):
+        gather both candidate buckets of every block, find the keys, take each block's replica
+        bitmask (0 when absent, guesses past their TTL removed), AND-accumulate along the prompt;
+        a replica's match ends where its bit first drops (chain property). Cost is linear in the
+        prompt's blocks, independent of the table's size."""
         names = self._index if candidates is None else candidates
-        result = {name: 0 for name in names}
+        index = self._index
+        want = 0  # bitmask of the candidates we know
+        for name in names:
+            bit = index.get(name)
+            if bit is not None:
+                want |= 1 << bit
         keys = as_block_keys(hashes)
-        # Galloping: look up 32 blocks, then 64, 128, ... and stop at the first chunk where no
-        # replica still matches; a prompt that shares a short prefix never pays for its tail.
-        alive_before = -1
-        matched_by_bit: dict[int, int] = {}
-        start, chunk = 0, 32
-        while start < keys.size and alive_before:
-            stop = min(start + chunk, keys.size)
-            prefix_and = self._held_prefix(keys[start:stop], now)
-            if alive_before != -1:
-                prefix_and &= _U64(alive_before)
-            # prefix_and only loses bits, so it changes at most 64 times: a short Python loop.
-            alive = int(prefix_and[0]) if alive_before == -1 else alive_before
-            for change in [0] + list(np.flatnonzero(prefix_and[1:] != prefix_and[:-1]) + 1):
-                now_alive = int(prefix_and[change])
-                dropped = alive & ~now_alive
-                while dropped:
-                    low = dropped & -dropped
-                    matched_by_bit[low.bit_length() - 1] = start + int(change)
-                    dropped ^= low
-                alive = now_alive
-            alive_before = alive
-            start, chunk = stop, chunk * 2
-        alive = max(alive_before, 0)
+        if not want or keys.size == 0:
+            return {name: 0 for name in names}
+        held = np.zeros(keys.size, dtype=_U64)
+        block, pos = self._lookup(keys)
+        if block.size:
+            found_held = self._held.take(pos)
+            if self.guess_ttl_ticks:
+                found_held = self._drop_expired_guesses(found_held, pos, now)
+            held[block] = found_held
+        prefix = np.bitwise_and.accumulate(held)
+        # prefix only loses bits along the prompt, so it changes value at most 64 times: a
+        # short Python loop over those changes (not over blocks) turns them into lengths.
+        ends = np.flatnonzero(prefix[1:] != prefix[:-1]) + 1
+        length_by_bit: dict[int, int] = {}
+        alive = int(prefix[0])
+        for end, after in zip(ends.tolist(), prefix.take(ends).tolist()):
+            dropped = alive & ~after
+            while dropped:
+                low = dropped & -dropped
+                length_by_bit[low.bit_length() - 1] = end
+                dropped ^= low
+            alive = after
         while alive:
             low = alive & -alive
-            matched_by_bit[low.bit_length() - 1] = int(keys.size)
+            length_by_bit[low.bit_length() - 1] = int(keys.size)
             alive ^= low
-        for name in result:
-            bit = self._index.get(name)
-            if bit is not None:
-                result[name] = matched_by_bit.get(bit, 0)
-        return result
+        return {name: length_by_bit.get(index.get(name), 0) for name in names}
 
-    def _held_prefix(self, keys: np.ndarray, now: float) -> np.ndarray:
-        """Running AND of the replicas holding each block (guesses past their TTL ignored)."""
-        pos, found = self._find(keys)
-        held = np.where(found, self._held[pos], _U64(0))
-        if self.guess_ttl_ticks:
-            expired = (self._tick(now) - self._stamp[pos].astype(np.int64)) > self.guess_ttl_ticks
-            if expired.any():
-                held = np.where(expired, held & ~self._guessed[pos], held)
-        return np.bitwise_and.accumulate(held)
+    def _drop_expired_guesses(self, found_held: np.ndarray, pos: np.ndarray, now: float) -> np.ndarray:
+        """Clear guessed bits of blocks last touched more than guess_ttl_s ago (vectorised)."""
+        oldest_live = self._tick(now) - self.guess_ttl_ticks  # stamp < this: expired
+        if oldest_live <= 0:
+            return found_held
+        expired = self._stamp.take(pos) < oldest_live
+        if not expired.any():
+            return found_held
+        return np.where(expired, found_held & ~self._guessed.take(pos), found_held)
 
     def holds(self, replica: str, hashes) -> np.ndarray:
         """Per block: does the table record it for this replica (TTL not applied)."""
@@ -247,23 +251,38 @@ class PrefixTable:
         self._alloc(buckets)
         self._place(keys, held, guessed, stamp)
 
-    def _buckets(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Modulo, not a power-of-two mask: the table is sized to the load, not rounded up 2x.
-        first = (keys % self._nb_u64).astype(np.intp)
-        second = ((keys >> _U64(32)) % self._nb_u64).astype(np.intp)
-        return first, second
+    def _buckets(self, keys: np.ndarray) -> np.ndarray:
+        """[n, 2] bucket indices per key (first, second choice), as intp.
+
+        Multiply-shift, not modulo (64-bit division is the slow part of a lookup): the key is
+        mixed by an odd multiplier, and each 32-bit half h of the product picks h * nb >> 32.
+        The low half depends only on the key's low bits, the high half on all of them, so
+        the two choices are independent and keys with zero top bits still spread evenly."""
+        mixed = keys * _MIX
+        halves = mixed.view(np.uint32).reshape(-1, 2) * self._nb_u64  # uint32 x uint64 -> uint64, < 2**64
+        halves >>= _U64(32)
+        return halves.view(np.intp)
+
+    def _lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which keys are in the table, their flat slot indices): one row gather of both
+        candidate buckets (16 slots) per key, one compare, one nonzero; no probe loop.
+        A key sits in at most one slot; when both choices are the same bucket it shows up
+        twice, with the same slot, which every caller tolerates."""
+        buckets = self._buckets(keys).reshape(-1)
+        rows = self._keys.reshape(self._nb, SLOTS_PER_BUCKET).take(buckets, axis=0)
+        hits = np.flatnonzero(rows.reshape(keys.size, 2 * SLOTS_PER_BUCKET) == keys[:, None])
+        # hit h: key h // 16, bucket buckets[h // 8] (= 2 * key + choice), lane h % 8
+        pos = (buckets.take(hits >> 3) << 3) | (hits & 7)
+        return hits >> 4, pos
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Flat slot index and found flag per key: two row gathers of 8 slots, no probe loop."""
-        first, second = self._buckets(keys)
-        table = self._keys.reshape(self._nb, SLOTS_PER_BUCKET)
-        column = keys[:, None]
-        eq1 = table[first] == column
-        eq2 = table[second] == column
-        found1 = eq1.any(axis=1)
-        pos = np.where(found1, first * SLOTS_PER_BUCKET + eq1.argmax(axis=1),
-                       second * SLOTS_PER_BUCKET + eq2.argmax(axis=1))
-        return pos, found1 | eq2.any(axis=1)
+        """Flat slot index and found flag per key (slot 0 where not found)."""
+        which, slots = self._lookup(keys)
+        pos = np.zeros(keys.size, dtype=np.intp)
+        found = np.zeros(keys.size, dtype=bool)
+        pos[which] = slots
+        found[which] = True
+        return pos, found
 
     def _place(self, keys, held, guessed, stamp) -> None:
         """Put keys that are not in the table into free slots of their less-full bucket."""
@@ -273,7 +292,7 @@ class PrefixTable:
         for attempt in range(2):  # less-full bucket first, then the other one
             if pending.size == 0:
                 return
-            first, second = self._buckets(keys[pending])
+            first, second = self._buckets(keys[pending]).T
             fill1 = (self._keys.reshape(self._nb, -1)[first] != 0).sum(axis=1)
             fill2 = (self._keys.reshape(self._nb, -1)[second] != 0).sum(axis=1)
             prefer_first = fill1 <= fill2 if attempt == 0 else fill1 > fill2
@@ -295,8 +314,8 @@ class PrefixTable:
             self._stamp[slot] = stamp[who]
             pending = np.sort(pending[order][~ok])
         for i in pending:  # both buckets full: drop their least recently touched block (rare)
-            first, second = self._buckets(keys[i:i + 1])
-            idx = np.r_[first[0] * SLOTS_PER_BUCKET + self._lane, second[0] * SLOTS_PER_BUCKET + self._lane]
+            first, second = self._buckets(keys[i:i + 1])[0]
+            idx = np.r_[first * SLOTS_PER_BUCKET + self._lane, second * SLOTS_PER_BUCKET + self._lane]
             victim = idx[np.argmin(self._stamp[idx])]
             self._forget_slot(int(victim))
             self._keys[victim], self._held[victim] = keys[i], held[i]
@@ -329,6 +348,10 @@ class PrefixTable:
         ring.fill += take
         need -= take
         passes = 0
+        given = None  # positions handed out by this call: hold no live entry yet, must not be handed out twice
+        if need > 0:
+            given = np.zeros(capacity, dtype=bool)
+            given[slots[0]] = True
         while need > 0:
             window = (ring.hand + np.arange(min(capacity, max(2 * need, 64)))) % capacity
             hashes = ring.hashes[window]
@@ -337,12 +360,13 @@ class PrefixTable:
             recent = live & (self._stamp[pos] > ring.seen[window]) & (passes < 2)
             if passes < 3:  # never evict what is being inserted now (unless nothing else is left)
                 recent |= live & np.isin(hashes, protect)
-            evictable = ~recent
+            evictable = ~recent & ~given[window]
             chosen = np.flatnonzero(evictable)[:need]
             last = int(chosen[-1]) + 1 if chosen.size else len(window)
             passed = window[:last]
             ring.seen[passed[recent[:last]]] = tick  # second chance used up
             victims = window[chosen]
+            given[victims] = True
             self._drop_bit(replica, pos[chosen][live[chosen]])
             slots.append(victims)
             need -= chosen.size

@@ -158,3 +158,107 @@ def test_kv_event_gap_is_reported_and_replay_fills_it():
     assert table.match(ours, now=0) == {"r": 1}
     index.apply(3, NS(events=[AllBlocksCleared()]), now=0)
     assert table.match(ours, now=0) == {"r": 0}
+
+
+class _ReferenceTable:
+    """The table's semantics in plain dicts: per replica {block: guessed}, per block the tick it
+    was last inserted by any replica (the TTL clock of guesses is per block, shared)."""
+
+    def __init__(self, replicas, ttl_ticks):
+        self.blocks = {name: {} for name in replicas}
+        self.stamp = {}
+        self.ttl_ticks = ttl_ticks
+
+    def insert(self, replica, hashes, guessed, tick):
+        held = self.blocks[replica]
+        for h in hashes:
+            self.stamp[h] = tick
+            if not guessed:
+                held[h] = False
+            elif h not in held:
+                held[h] = True  # a guess never downgrades a confirmed block
+
+    def remove(self, replica, hashes):
+        for h in hashes:
+            self.blocks[replica].pop(h, None)
+
+    def match(self, hashes, tick, candidates):
+        result = {}
+        for name in candidates:
+            held, length = self.blocks.get(name, {}), 0
+            for h in hashes:
+                if h not in held or (held[h] and tick - self.stamp[h] > self.ttl_ticks):
+                    break
+                length += 1
+            result[name] = length
+        return result
+
+    def sync_evictions(self, table):
+        """Drop what the table evicted (CLOCK victims, full buckets), read by brute force over its
+        slots (no bucket arithmetic), and check it never holds a block it was not given."""
+        for name, held in self.blocks.items():
+            bit = np.uint64(1) << np.uint64(table._index[name])
+            present = set(table._keys[(table._held & bit) != 0].tolist())
+            assert present <= set(held), "table holds blocks never inserted (or already removed)"
+            for h in set(held) - present:
+                del held[h]
+            assert table.size(name) == len(held) <= table.capacity(name)
+
+
+def test_vectorised_match_equals_reference_through_evictions_and_ttl():
+    rng = np.random.default_rng(7)
+    replicas = ["a", "b", "c", "d"]
+    table = _table(*replicas, capacity=48, ttl=3.0)  # ~24 buckets: ring and bucket evictions both happen
+    ref = _ReferenceTable(replicas, ttl_ticks=300)
+    # Prompts share prefixes: 6 documents, each prompt a document's first L blocks + a random tail.
+    documents = [rng.integers(0, 50, 16 * 30).tolist() for _ in range(6)]
+
+    def prompt():
+        doc = documents[rng.integers(len(documents))]
+        shared = int(rng.integers(0, 31)) * 16
+        tail = rng.integers(0, 50, int(rng.integers(0, 10)) * 16).tolist()
+        return block_hashes(doc[:shared] + tail)
+
+    now, evicted_before = 0, 0
+    for step in range(1500):
+        now += int(rng.integers(0, 2))
+        tick = now * 100  # the table's first call is at now=0, so its ticks are now * TICKS_PER_S
+        op = rng.random()
+        name = replicas[rng.integers(len(replicas))]
+        hashes = prompt()
+        if op < 0.45 and hashes:
+            guessed = bool(rng.random() < 0.6)
+            table.insert(name, hashes, guessed=guessed, now=now)
+            ref.insert(name, hashes, guessed, tick)
+        elif op < 0.55 and hashes:
+            gone = [h for h in hashes if rng.random() < 0.3]
+            table.remove(name, gone)
+            ref.remove(name, gone)
+        elif op < 0.60 and hashes:
+            cached = int(rng.integers(0, len(hashes) + 1))
+            table.correct(name, hashes, cached)
+            ref.remove(name, hashes[cached:])
+        elif op < 0.61:
+            table.clear(name)
+            ref.remove(name, list(ref.blocks[name]))
+        inserted = sum(len(held) for held in ref.blocks.values())
+        ref.sync_evictions(table)
+        evicted_before += inserted - sum(len(held) for held in ref.blocks.values())
+        candidates = [r for r in replicas + ["gone"] if rng.random() < 0.8]
+        for probe in (hashes, prompt()):
+            assert table.match(probe, now=now, candidates=candidates) == ref.match(probe, tick, candidates)
+        assert table.match(hashes, now=now) == ref.match(hashes, tick, replicas)
+    assert evicted_before > 500  # evictions were exercised, not just inserts
+    expired = sum(1 for held in ref.blocks.values() for h, g in held.items() if g and tick - ref.stamp[h] > 300)
+    assert expired or step < 100  # and some matches ran into expired guesses
+
+
+def test_block_hashes_are_the_same_for_list_array_and_numpy_token_ids():
+    # routing.hashing packs array('I') and uint32 numpy input without converting: same bytes, same hashes.
+    from array import array
+    tokens = np.random.default_rng(3).integers(0, 2**32, 16 * 9 + 5, dtype=np.uint64).tolist()
+    for salt in (None, "tenant"):
+        expected = block_hashes(tokens, cache_salt=salt)
+        assert block_hashes(array("I", tokens), cache_salt=salt) == expected
+        assert block_hashes(np.array(tokens, dtype=np.uint32), cache_salt=salt) == expected
+        assert block_hashes(tuple(tokens), block_size=16, cache_salt=salt) == expected
