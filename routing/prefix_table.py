@@ -3,8 +3,8 @@
 One table per model pool. Layout, chosen for bytes per cached block and vectorised lookups:
   - a bucketed hash table in flat numpy arrays: 8 slots per bucket, two candidate buckets
     per key (the two 32-bit halves of the mixed 64-bit block hash), so a lookup is one gather
-    of 16 slots per prompt block and no probe loop; a whole prompt is matched in one pass. Per slot: key (uint64, 0 = empty), `held`
-    (uint64 bitmask of replicas holding the block), `guessed` (bitmask: held only because
+    of 16 slots per prompt block and no probe loop; a whole prompt is matched in one pass.
+    Per slot: key (uint64, 0 = empty), `held` (uint64 bitmask of replicas holding the block), `guessed` (bitmask: held only because
     we routed there, not confirmed by a KV event), `stamp` (uint32 ticks of 10 ms: last
     time any replica inserted or touched the block).
   - per replica a ring of its block hashes with a CLOCK hand (second chance: a block
