@@ -69,7 +69,7 @@ def _serve(path: str) -> int:
     from gateway.server import print_ready, run
     from observability.logs import configure_logging
     configure_logging(config.logging.level, config.logging.format)
-    return run(config, on_ready=print_ready(config))
+    return run(config, on_ready=print_ready(config), config_path=path)
 
 
 def _up(path: str | Path, startup_timeout_s: float) -> int:
@@ -90,7 +90,7 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
         launcher.start()
         if launcher.replicas:
             _wait_with_progress(launcher, startup_timeout_s)
-        return run(config, on_ready=print_ready(config))
+        return run(config, on_ready=print_ready(config), config_path=str(path))
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

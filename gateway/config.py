@@ -34,8 +34,73 @@ class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token_ids: Literal["full", "hashed", "off"] = "full"
 
 
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """score = prefill_weight x uncached-prefill seconds + queue_weight x queueing seconds."""
+    prefill_weight: NonNegative = 1.0
+    queue_weight: NonNegative = 1.0
+    balance_factor: Annotated[float, Meta(ge=1)] = 1.25
+    balance_slack: NonNegative = 0.0
+    min_match_blocks: Annotated[int, Meta(ge=0)] = 1
+    learn_from_routing: bool = True
+
+
+class ConsistentHashParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    virtual_nodes: PositiveInt = 100
+    epsilon: NonNegative = 0.25
+    key_blocks: PositiveInt = 4
+
+
+class LeastLoadParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    seed: int | None = None
+
+
+class SessionAffinityParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fallback: str = "cache_aware"   # policy for a request without a session, or a session that moves
+    max_sessions: PositiveInt = 100_000
+    ttl_s: PositiveSeconds = 3600.0
+    balance_factor: Annotated[float, Meta(ge=1)] = 1.25
+    balance_slack: NonNegative = 0.0
+
+
+class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the load tracker turns tokens into seconds (routing.load.LoadModel)."""
+    prefill_tokens_per_s: PositiveSeconds = 8000.0
+    decode_step_s_per_seq: NonNegative = 0.002
+    decode_step_base_s: NonNegative = 0.010
+    stale_after_s: PositiveSeconds = 10.0
+
+
 class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy: str = "round_robin"
+    block_size: PositiveInt = 16                 # tokens per prefix block (the replicas' block size)
+    session_header: str = "x-session-id"         # affinity key header; the body's `user` field also counts
+    guess_ttl_s: PositiveSeconds = 300.0         # a routed-but-unconfirmed prefix is forgotten after this
+    default_capacity_blocks: PositiveInt = 8192  # a replica's KV capacity when YAML and /metrics don't say
+    scrape_interval_s: PositiveSeconds = 2.0     # each replica's /metrics
+    scrape_timeout_s: PositiveSeconds = 1.0
+    kv_events_silence_s: PositiveSeconds = 10.0  # a serving replica without events this long -> approximate
+    load: LoadModelSection = msgspec.field(default_factory=LoadModelSection)
+    cache_aware: CacheAwareParams = msgspec.field(default_factory=CacheAwareParams)
+    consistent_hash: ConsistentHashParams = msgspec.field(default_factory=ConsistentHashParams)
+    least_load: LeastLoadParams = msgspec.field(default_factory=LeastLoadParams)
+    session_affinity: SessionAffinityParams = msgspec.field(default_factory=SessionAffinityParams)
+
+    def policy_params(self, name: str | None = None) -> dict:
+        """The YAML keys of policy `name` (default: the configured one) as make_policy params."""
+        name = name or self.policy
+        section = getattr(self, name, None)
+        if section is None:
+            return {}
+        params = msgspec.structs.asdict(section)
+        if name == "least_load" and params["seed"] is None:
+            params.pop("seed")
+        if name == "session_affinity":
+            params["fallback_params"] = self.policy_params(params["fallback"])
+        return params
 
 
 class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -45,12 +110,20 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     extra_args: list[str] = []
 
 
+class KVEventsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where a replica publishes its KV events (vLLM's ZMQ shape): precise mode for it."""
+    endpoint: str                       # PUB socket, e.g. tcp://127.0.0.1:5557
+    replay_endpoint: str | None = None  # ROUTER socket answering replay requests (gap resync)
+
+
 class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     url: str
     model: str
     tokenizer: str | None = None
     launch: LaunchSpec | None = None
+    capacity_blocks: PositiveInt | None = None  # KV capacity in blocks (else learned, else the default)
+    kv_events: KVEventsSpec | None = None
 
     @property
     def port(self) -> int:
@@ -104,6 +177,13 @@ def _value_problems(config: Config):
     if config.routing.policy not in POLICIES:
         yield (["routing", "policy"],
                f"unknown policy {config.routing.policy!r} (expected one of: {', '.join(POLICIES)})")
+    fallback = config.routing.session_affinity.fallback
+    if fallback not in POLICIES or fallback == "session_affinity":
+        yield (["routing", "session_affinity", "fallback"],
+               f"unknown fallback policy {fallback!r} (expected one of: "
+               f"{', '.join(p for p in POLICIES if p != 'session_affinity')})")
+    if not config.routing.session_header.strip():
+        yield ["routing", "session_header"], "must not be empty"
     if not config.replicas:
         yield ["replicas"], "must list at least one replica"
     seen_names: dict[str, int] = {}
@@ -128,6 +208,22 @@ def _value_problems(config: Config):
             yield ["replicas", index, "launch", "model"], "must not be empty"
         if replica.launch is not None and not why and urlsplit(replica.url).port is None:
             yield ["replicas", index, "url"], "a replica with `launch` needs an explicit port in its url"
+        if replica.kv_events is not None:
+            for key in ("endpoint", "replay_endpoint"):
+                value = getattr(replica.kv_events, key)
+                if value is not None and (bad := _zmq_endpoint_problem(value)):
+                    yield ["replicas", index, "kv_events", key], bad
+
+
+def _zmq_endpoint_problem(endpoint: str) -> str | None:
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        return f"bad endpoint {endpoint!r}: expected tcp://host:port (or ipc://path)"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            return f"bad endpoint {endpoint!r}: expected tcp://host:port with a port 1-65535"
+    return None
 
 
 def _url_problem(url: str) -> str | None:

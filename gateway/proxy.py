@@ -16,8 +16,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.config import Config
 from gateway.prompts import prompt_token_ids
+from gateway.router import Router, Ticket
 from gateway.upstream import ReplicaPool, ReplicaState
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog, RequestRecord
@@ -27,7 +27,6 @@ from protocol.http import error_response
 from protocol.requests import (AnyRequest, ChatCompletionRequest, decode_chat, decode_completion,
                                max_new_tokens)
 from protocol.sse import DONE_EVENT, EventSplitter, data_of, event
-from routing import RequestInfo
 
 log = structlog.get_logger("kvgate.proxy")
 _decode_json = msgspec.json.Decoder().decode
@@ -39,11 +38,10 @@ _RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
 
 
 class Proxy:
-    def __init__(self, config: Config, pool: ReplicaPool, policy, metrics: GatewayMetrics,
+    def __init__(self, pool: ReplicaPool, router: Router, metrics: GatewayMetrics,
                  request_log: RequestLog) -> None:
-        self.config = config
         self.pool = pool
-        self.policy = policy
+        self.router = router
         self.metrics = metrics
         self.request_log = request_log
 
@@ -115,22 +113,26 @@ class Proxy:
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
         payload = _encode_json(raw)
         upstream_headers = {"content-type": "application/json", "x-request-id": record.request_id}
-        info = RequestInfo(model=model, prompt_token_ids=prompt_ids,
-                           max_new_tokens=max_new_tokens(parsed, 0) or None)
+        router = self.router
+        hashes = router.hashes(prompt_ids, parsed.cache_salt)  # once; a retry reuses them
+        session_key = router.session_key(request.headers, parsed.user)
+        new_tokens = max_new_tokens(parsed, 0) or None
 
         failures: list[str] = []
         for _attempt in range(2):  # the first choice, then once more on another replica
             pool = [c for c in self.pool.candidates(model) if c.name not in failures]
             if not pool:
                 break
-            decision = self.policy.choose([c.name for c in pool], info)
+            decision, ticket, routing_log = router.route([c.name for c in pool], model, prompt_ids, hashes,
+                                                         session_key, parsed.cache_salt, new_tokens)
             replica = self.pool.by_name[decision.replica]
             record.replica = replica.name
-            record.routing = decision.as_log()
+            record.routing = routing_log
             if failures:
                 record.routing["retried_after"] = list(failures)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica=replica.name).inc()
+            prefilled = False
             try:
                 try:
                     upstream = await self.pool.session.post(
@@ -144,11 +146,14 @@ class Proxy:
                                         status=504, code="upstream_timeout") from None
                 if parsed.stream:
                     return await self._relay_stream(request, upstream, record, reply_headers,
-                                                    wants_token_ids, wants_usage)
-                return await self._relay_json(upstream, record, reply_headers, wants_token_ids)
+                                                    wants_token_ids, wants_usage, ticket)
+                response = await self._relay_json(upstream, record, reply_headers, wants_token_ids)
+                prefilled = True
+                return response
             finally:
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(replica=replica.name).dec()
+                router.finished(ticket, record.cached_tokens, prefilled or ticket.started_decoding)
         if failures:
             raise UpstreamError(f"Replica(s) unreachable: {', '.join(failures)}.", code="upstream_unreachable")
         raise Unavailable(f"No replica serving `{model}` is ready.", retry_after_s=1)
@@ -156,7 +161,7 @@ class Proxy:
     def _resolve_model(self, requested: str | None) -> str:
         known = self.pool.known_models()
         if requested is None:
-            served = list(dict.fromkeys(spec.model for spec in self.config.replicas))
+            served = list(dict.fromkeys(spec.model for spec in self.pool.config.replicas))
             if len(served) == 1:
                 return served[0]
             raise BadRequest(f"`model` is required (available: {', '.join(known)}).", param="model")
@@ -202,7 +207,7 @@ class Proxy:
             body = await upstream.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             upstream.close()
-            self.pool.mark_down(self.pool.by_name[record.replica], f"{type(exc).__name__}: {exc}")
+            self.pool.mark_down_named(record.replica, f"{type(exc).__name__}: {exc}")
             raise UpstreamError(f"Replica {record.replica} failed while answering: {type(exc).__name__}.",
                                 code="upstream_disconnected") from None
         except BaseException:
@@ -224,7 +229,7 @@ class Proxy:
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
                             record: RequestRecord, reply_headers: dict, wants_token_ids: bool,
-                            wants_usage: bool) -> web.StreamResponse:
+                            wants_usage: bool, ticket: Ticket) -> web.StreamResponse:
         if upstream.status >= 400:
             raise await self._upstream_error(upstream)
         response = web.StreamResponse(status=200, headers={
@@ -240,6 +245,8 @@ class Proxy:
                 async for chunk in upstream.content.iter_any():
                     for raw_event in splitter.feed(chunk):
                         out = self._on_event(raw_event, record, wants_token_ids, wants_usage)
+                        if record.first_token_s is not None and not ticket.started_decoding:
+                            self.router.first_token(ticket)
                         if out is not None:
                             await response.write(out)
                 for raw_event in splitter.flush():
@@ -251,7 +258,7 @@ class Proxy:
                     asyncio.TimeoutError) as exc:
                 # The replica went away mid-stream; the client already has a 200, so say it in-band.
                 record.error = f"upstream_disconnected: {type(exc).__name__}: {exc}"
-                self.pool.mark_down(self.pool.by_name[record.replica], record.error)
+                self.pool.mark_down_named(record.replica, record.error)
                 await response.write(event(error_body("The replica serving this request failed "
                                                        "mid-stream.", "upstream_error", None, 502)))
                 await response.write(DONE_EVENT)

@@ -11,23 +11,39 @@ import structlog
 from aiohttp import web
 
 from gateway.config import Config
+from gateway.kv_subscriber import KVEventSubscribers
 from gateway.proxy import Proxy
+from gateway.reload import ConfigWatcher
+from gateway.router import Router
+from gateway.scraper import Scraper
 from gateway.upstream import ReplicaPool
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog
 from protocol.http import openai_errors
-from routing import make_policy
 
 log = structlog.get_logger("kvgate.gateway")
 
 
-def build_app(config: Config) -> web.Application:
+def build_app(config: Config, config_path: str | None = None) -> web.Application:
+    """The gateway; with `config_path`, the YAML is watched and hot-reloaded."""
     app = web.Application(middlewares=[openai_errors], client_max_size=config.gateway.max_body_bytes)
     pool = ReplicaPool(config)
     metrics = GatewayMetrics()
-    proxy = Proxy(config, pool, make_policy(config.routing.policy), metrics,
-                  RequestLog(config.logging.token_ids))
-    app["pool"], app["metrics"], app["proxy"] = pool, metrics, proxy
+    router = Router(config, metrics)
+    request_log = RequestLog(config.logging.token_ids)
+    proxy = Proxy(pool, router, metrics, request_log)
+    scraper = Scraper(pool, router, metrics)
+    subscribers = KVEventSubscribers(router, metrics)
+    app["pool"], app["metrics"], app["proxy"], app["router"] = pool, metrics, proxy, router
+
+    def apply(new: Config) -> dict:
+        # Router first: it raises on a policy it cannot build, before anything has changed.
+        # All synchronous, on the loop: no request is routed half-way through a swap.
+        router.apply(new)
+        added, removed = pool.apply(new)
+        subscribers.sync(new)
+        request_log.token_ids = new.logging.token_ids
+        return {"added": added, "removed": removed}
     started = int(time.time())
 
     async def models(_request: web.Request) -> web.Response:
@@ -59,7 +75,16 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
     app.on_startup.append(pool.start)
+    app.on_startup.append(scraper.start)
+    app.on_startup.append(subscribers.start)
+    app.on_cleanup.append(subscribers.close)
+    app.on_cleanup.append(scraper.close)
     app.on_cleanup.append(pool.close)
+    if config_path is not None:
+        watcher = ConfigWatcher(config_path, config, apply, metrics)
+        app["config_watcher"] = watcher
+        app.on_startup.append(watcher.start)
+        app.on_cleanup.insert(0, watcher.close)
     return app
 
 
@@ -72,13 +97,13 @@ def ready_line(config: Config) -> str:
 
 
 async def serve(config: Config, on_ready: Callable[[], None] | None = None,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, config_path: str | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(config)
+    app = build_app(config, config_path)
     # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
     # request so the replica stops generating for nobody.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
@@ -110,13 +135,13 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
         await loop.shutdown_default_executor()
 
 
-def run(config: Config, on_ready: Callable[[], None] | None = None) -> int:
+def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # not on Windows; asyncio's loop works, slower
-        asyncio.run(serve(config, on_ready))
+        asyncio.run(serve(config, on_ready, config_path=config_path))
     else:
-        uvloop.run(serve(config, on_ready))
+        uvloop.run(serve(config, on_ready, config_path=config_path))
     return 0
 
 

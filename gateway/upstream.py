@@ -53,7 +53,7 @@ class ReplicaPool:
         self.by_name = {replica.name: replica for replica in self.replicas}
         self.session: aiohttp.ClientSession | None = None
         self.all_ready = asyncio.Event()
-        self._watchers: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # replica name -> its watcher
 
     async def start(self, _app=None) -> None:
         gateway = self.config.gateway
@@ -64,15 +64,54 @@ class ReplicaPool:
             connector=connector, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=gateway.request_timeout_s,
                                           connect=gateway.connect_timeout_s))
-        self._watchers = [asyncio.create_task(self._watch(replica), name=f"watch-{replica.name}")
-                          for replica in self.replicas]
+        self._tasks = {replica.name: asyncio.create_task(self._watch(replica), name=f"watch-{replica.name}")
+                       for replica in self.replicas}
 
     async def close(self, _app=None) -> None:
-        for task in self._watchers:
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    def apply(self, config: Config) -> tuple[list[str], list[str]]:
+        """Hot reload: follow the replica list (names added or removed; an entry whose url, model or
+        tokenizer changed is replaced). A removed replica leaves `replicas` at once, so it gets no
+        new request; requests already on it hold its ReplicaState and finish normally.
+        Returns (added, removed) names."""
+        old = {replica.name: replica for replica in self.replicas}
+        wanted = {spec.name: spec for spec in config.replicas}
+        removed = [name for name, replica in old.items()
+                   if name not in wanted or _identity(replica.spec) != _identity(wanted[name])]
+        kept: dict[str, ReplicaState] = {}
+        for spec in config.replicas:
+            replica = old.get(spec.name)
+            if replica is not None and spec.name not in removed:
+                replica.spec = spec  # same server; launch/capacity/kv_events edits need no re-probe
+                kept[spec.name] = replica
+            else:
+                kept[spec.name] = ReplicaState(spec)
+        for name in removed:
+            task = self._tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+        self.config = config
+        self.replicas = list(kept.values())
+        self.by_name = dict(kept)
+        added = [name for name, replica in kept.items() if name not in self._tasks]
+        if self.session is not None:
+            for name in added:
+                self._tasks[name] = asyncio.create_task(self._watch(kept[name]), name=f"watch-{name}")
+        if not all(r.ready for r in self.replicas):
+            self.all_ready.clear()
+        return added, removed
+
+    def mark_down_named(self, name: str, reason: str) -> None:
+        """mark_down by name; a replica a reload removed meanwhile is ignored."""
+        replica = self.by_name.get(name)
+        if replica is not None:
+            self.mark_down(replica, reason)
 
     def candidates(self, model: str) -> list[ReplicaState]:
         """Ready replicas serving `model`, in config order (policies rely on a stable order)."""
@@ -163,6 +202,10 @@ class ReplicaPool:
         except Exception as exc:
             replica.last_error = f"tokenizer {path}: {_reason(exc)}"
             log.error("tokenizer_load_failed", replica=replica.name, path=path, error=_reason(exc))
+
+
+def _identity(spec: ReplicaSpec) -> tuple:
+    return (spec.url.rstrip("/"), spec.model, spec.tokenizer)
 
 
 def _reason(exc: BaseException) -> str:

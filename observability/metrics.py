@@ -33,6 +33,26 @@ class GatewayMetrics:
                                      registry=r)
         self.generation_tokens = Counter("kvgate_generation_tokens",
                                          "Generated tokens of finished requests.", registry=r)
+        # Routing: how the prefix table's predictions compare with what replicas report.
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_tokens", "Prompt tokens the router expected cached where it sent them.",
+            ["replica"], registry=r)
+        self.reported_cached_tokens = Counter(
+            "kvgate_reported_cached_tokens", "Prompt tokens replicas reported cached (usage.cached_tokens).",
+            ["replica"], registry=r)
+        self.routing_mode = Gauge("kvgate_routing_mode", "Per replica: 1 precise (KV events), 0 approximate.",
+                                  ["replica"], registry=r)
+        self.kv_events_fallbacks = Counter(
+            "kvgate_kv_events_fallbacks", "Times a replica's KV events stopped and routing fell back to "
+            "approximate mode.", ["replica", "reason"], registry=r)
+        self.kv_events_resyncs = Counter("kvgate_kv_events_resyncs", "Gaps in a replica's KV event sequence "
+                                         "resynchronised through its replay endpoint.", ["replica"], registry=r)
+        self.kv_event_batches = Counter("kvgate_kv_event_batches", "KV event batches applied.", ["replica"],
+                                        registry=r)
+        self.scrape_failures = Counter("kvgate_scrape_failures", "Failed /metrics scrapes of a replica.",
+                                       ["replica"], registry=r)
+        self.config_reloads = Counter("kvgate_config_reloads", "Routing YAML reloads, by result.", ["result"],
+                                      registry=r)
 
     def observe_request(self, *, replica: str | None, status: int, ttft_s: float | None,
                         itl_s: list[float], e2e_s: float, prompt_tokens: int | None,

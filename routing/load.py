@@ -2,8 +2,9 @@
 
 The gateway's own in-flight accounting is exact for traffic it routed and instant; scraped
 /metrics see traffic from elsewhere but lag by a scrape interval. We keep both: a fresh
-scrape (younger than `stale_after_s`) raises the estimate to what the replica reports, a
-stale one is ignored.
+scrape (younger than `stale_after_s`) adds what the replica reported beyond our own requests
+at scrape time (traffic we did not route), a stale one is ignored. Counting only the excess
+keeps a scrape that saw our own, since finished, requests from inflating the estimate.
 """
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ class ScrapedLoad:
     running: float = 0.0
     kv_cache_usage: float | None = None  # 0..1
     at_s: float = float("-inf")
+    ours_waiting: int = 0    # our own accounting when the scrape was taken
+    ours_in_flight: int = 0
+
+    def external(self) -> tuple[float, float]:
+        """(waiting, running) the replica had beyond the requests we routed to it."""
+        total = max(self.waiting + self.running - self.ours_in_flight, 0.0)
+        waiting = min(max(self.waiting - self.ours_waiting, 0.0), total)
+        return waiting, total - waiting
 
 
 def parse_load_metrics(text: str) -> ScrapedLoad:
@@ -117,17 +126,20 @@ class LoadTracker:
             self.on_finished(replica, prompt_tokens, cached_tokens, True)
 
     def on_scrape(self, replica: str, scraped: ScrapedLoad, now: float) -> None:
+        load = self._get(replica)
         scraped.at_s = now
-        self._get(replica).scraped = scraped
+        scraped.ours_waiting = load.waiting
+        scraped.ours_in_flight = load.waiting + load.decoding
+        load.scraped = scraped
 
     # ---- the estimate -----------------------------------------------------------------
     def in_flight(self, replica: str, now: float) -> float:
-        """Requests queued or running: ours, or the replica's own count if fresh and larger."""
+        """Requests queued or running: ours, plus others' the last fresh scrape saw."""
         load = self._get(replica)
         ours = load.waiting + load.decoding
         scraped = load.scraped
         if now - scraped.at_s <= self.model.stale_after_s:
-            return max(ours, scraped.waiting + scraped.running)
+            return ours + sum(scraped.external())
         return ours
 
     def queue_delay_s(self, replica: str, now: float) -> float:
@@ -140,11 +152,11 @@ class LoadTracker:
         scraped = load.scraped
         if now - scraped.at_s <= m.stale_after_s:
             # Traffic we did not route: assume its waiting requests are as long as ours on average.
-            extra_waiting = max(scraped.waiting - waiting, 0)
+            extra_waiting, extra_running = scraped.external()
             if extra_waiting:
                 per_request = pending_tokens / waiting if waiting else 512
                 pending_tokens += extra_waiting * per_request
-            running = max(running, int(scraped.running))
+            running += int(extra_running)
         # Prefill work ahead, interleaved with the running batch's decode steps.
         prefill_s = pending_tokens / m.prefill_tokens_per_s
         step_s = m.decode_step_base_s + m.decode_step_s_per_seq * running if running else 0.0

@@ -45,7 +45,7 @@ def test_good_config_decodes_with_defaults():
 def test_unknown_key_names_key_line_and_expected_keys():
     text = GOOD.replace("    model: m\n  - name: b", "    model: m\n    prot: 3\n  - name: b")
     assert error_of(text) == ("x.yaml:11: replicas[0].prot: unknown key "
-                              "(expected one of: name, url, model, tokenizer, launch)")
+                              "(expected one of: name, url, model, tokenizer, launch, capacity_blocks, kv_events)")
 
 
 def test_unknown_top_level_section():
@@ -69,6 +69,48 @@ def test_wrong_type_names_key_and_line():
 ])
 def test_bad_value_names_key_and_line(old, new, expected):
     assert error_of(GOOD.replace(old, new)).startswith(expected)
+
+
+ROUTING = """\
+routing:
+  policy: cache_aware
+  block_size: 16
+  session_header: x-session-id
+  cache_aware:
+    prefill_weight: 1.0
+    balance_factor: 1.25
+  session_affinity: {fallback: least_load}
+replicas:
+  - name: a
+    url: http://127.0.0.1:8101
+    model: m
+    capacity_blocks: 512
+    kv_events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: "tcp://127.0.0.1:5558"}
+"""
+
+
+def test_routing_policy_params_and_kv_events_decode():
+    config = parse_config(ROUTING, "x.yaml")
+    assert config.routing.policy_params() == {"prefill_weight": 1.0, "queue_weight": 1.0, "balance_factor": 1.25,
+                                              "balance_slack": 0.0, "min_match_blocks": 1,
+                                              "learn_from_routing": True}
+    assert config.routing.policy_params("session_affinity")["fallback_params"] == {}  # least_load, no seed
+    assert config.replicas[0].capacity_blocks == 512
+    assert config.replicas[0].kv_events.replay_endpoint == "tcp://127.0.0.1:5558"
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("prefill_weight: 1.0", "prefill_wieght: 1.0", "x.yaml:6: routing.cache_aware.prefill_wieght: unknown key "
+                                                   "(expected one of: prefill_weight, queue_weight,"),
+    ("balance_factor: 1.25", "balance_factor: 0.5", "x.yaml:7: routing.cache_aware.balance_factor: expected float >= 1"),
+    ("block_size: 16", "block_size: 0", "x.yaml:3: routing.block_size: expected int >= 1"),
+    ("fallback: least_load", "fallback: magic", "x.yaml:8: routing.session_affinity.fallback: unknown fallback policy"),
+    ("capacity_blocks: 512", "capacity_blocks: -1", "x.yaml:13: replicas[0].capacity_blocks: expected int >= 1"),
+    ("tcp://127.0.0.1:5557", "tcp://127.0.0.1", "x.yaml:14: replicas[0].kv_events.endpoint: bad endpoint"),
+    ("replay_endpoint", "replay", "x.yaml:14: replicas[0].kv_events.replay: unknown key"),
+])
+def test_bad_routing_value_names_key_and_line(old, new, expected):
+    assert error_of(ROUTING.replace(old, new)).startswith(expected)
 
 
 def test_empty_replicas_and_missing_replicas_are_refused():

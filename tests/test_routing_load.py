@@ -40,3 +40,15 @@ def test_scraped_load_counts_until_stale():
     assert tracker.in_flight("a", 105) == 8
     assert tracker.queue_delay_s("a", 105) > 0
     assert tracker.in_flight("a", 111) == 0  # stale: ignored
+
+
+def test_a_scrape_that_saw_our_own_requests_does_not_count_them_twice():
+    tracker = LoadTracker(LoadModel(stale_after_s=10))
+    for _ in range(3):
+        tracker.on_routed("a", prompt_tokens=100)
+    # The replica reports our 3 plus 2 of someone else's.
+    tracker.on_scrape("a", parse_load_metrics(VLLM.replace("3.0", "1.0").replace("5.0", "4.0")), now=100)
+    assert tracker.in_flight("a", 101) == 5
+    for _ in range(3):
+        tracker.on_finished("a", 100, started_decoding=False)
+    assert tracker.in_flight("a", 101) == 2  # ours finished since; the scrape's copy of them is not load

@@ -1,0 +1,123 @@
+"""Cache-aware routing end to end: a real gateway in front of real tiny replicas.
+
+Precise mode is proven with `learn_from_routing: false`: the gateway's table then learns only
+from the replicas' KV events, so a matched prefix in a decision can only come from them."""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import time
+
+import pytest
+
+from tests.servers import free_port, run_process, run_replica
+from tests.test_gateway import Gateway, http, metric
+
+WAIT_S = 30.0
+
+
+def poll(predicate, what: str, server, timeout_s: float = WAIT_S):
+    """Another process's state has no event to await: poll, bounded, failing with its logs."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{server.logs()[-3000:]}"
+        time.sleep(0.05)
+    return value
+
+
+@contextlib.contextmanager
+def cluster(tmp_path, routing: str, replicas: int = 2, kv_events: bool = False):
+    with contextlib.ExitStack() as stack:
+        endpoints = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(replicas)]
+        started = [stack.enter_context(run_replica("tiny", extra_args=(
+            ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay] if kv_events else [])))
+            for pub, replay in endpoints]
+        port = free_port()
+        config = tmp_path / "gateway.yaml"
+        entries = ""
+        for i, (replica, (pub, replay)) in enumerate(zip(started, endpoints)):
+            entries += f"  - name: r{i}\n    url: {replica.url}\n    model: tiny\n"
+            if kv_events:
+                entries += f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{replay}'}}\n"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 2}}\n"
+                          f"logging: {{format: json}}\nrouting:\n{routing}replicas:\n{entries}")
+        server = stack.enter_context(run_process(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
+        poll(lambda: http("GET", server.url + "/health")[2].get("all_ready"), "replicas ready", server)
+        yield Gateway(server, started)
+
+
+def complete(gateway: Gateway, prompt: list[int], request_id: str, **extra) -> dict:
+    headers = extra.pop("headers", {})
+    status, _, answer = http("POST", gateway.url + "/v1/completions",
+                             {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra},
+                             {"x-request-id": request_id, **headers})
+    assert status == 200, answer
+    return gateway.record(request_id)
+
+
+def gateway_metric(gateway: Gateway, name: str, **labels) -> float:
+    return metric(http("GET", gateway.url + "/metrics")[2], name, **labels)
+
+
+def test_precise_mode_routes_a_shared_prefix_to_the_replica_whose_events_hold_it(tmp_path):
+    routing = "  policy: cache_aware\n  cache_aware: {learn_from_routing: false}\n"
+    with cluster(tmp_path, routing, kv_events=True) as gateway:
+        for name in ("r0", "r1"):
+            poll(lambda: gateway_metric(gateway, "kvgate_routing_mode", replica=name) == 1,
+                 f"{name} precise", gateway.server)
+        rng = random.Random(7)
+        prefix = [rng.randrange(10, 250) for _ in range(96)]  # 6 full blocks
+        first = complete(gateway, prefix + [rng.randrange(10, 250) for _ in range(20)], "first")
+        holder = first["replica"]
+        assert first["routing"]["mode"] == "precise" and first["routing"]["matched_blocks"] == {"r0": 0, "r1": 0}
+        # The replica's BlockStored events reach the gateway's table (nothing else teaches it here).
+        poll(lambda: gateway_metric(gateway, "kvgate_kv_event_batches_total", replica=holder) > 0,
+             "events applied", gateway.server)
+        for i in range(4):
+            record = complete(gateway, prefix + [rng.randrange(10, 250) for _ in range(20)], f"again-{i}")
+            assert record["replica"] == holder, record["routing"]
+            assert record["routing"]["matched_blocks"][holder] >= 6
+            assert record["routing"]["reason"].startswith("longest prefix")
+            assert record["routing"]["predicted_cached_tokens"] >= 96
+            assert record["cached_tokens"] >= 96  # the replica agrees: it reused the prefix
+            assert set(record["routing"]["load_estimate"]) == {"r0", "r1"}
+        assert gateway_metric(gateway, "kvgate_kv_events_fallbacks_total") == 0
+
+
+def test_approximate_mode_learns_from_its_own_routing_and_logs_the_decision(tmp_path):
+    with cluster(tmp_path, "  policy: cache_aware\n  scrape_interval_s: 0.2\n") as gateway:
+        rng = random.Random(11)
+        prefixes = [[rng.randrange(10, 250) for _ in range(64)] for _ in range(2)]
+        holders = {}
+        for round_ in range(3):
+            for p, prefix in enumerate(prefixes):
+                record = complete(gateway, prefix + [rng.randrange(10, 250) for _ in range(8)], f"a-{round_}-{p}")
+                assert record["routing"]["mode"] == "approximate"
+                holders.setdefault(p, record["replica"])
+                assert record["replica"] == holders[p], record["routing"]
+                if round_:
+                    assert record["routing"]["matched_blocks"][holders[p]] == 4
+                    assert record["cached_tokens"] >= 64
+        text = http("GET", gateway.url + "/metrics")[2]
+        assert metric(text, "kvgate_predicted_cached_tokens_total") == 4 * 64
+        assert metric(text, "kvgate_reported_cached_tokens_total") >= 4 * 64
+        assert metric(text, "kvgate_scrape_failures_total") == 0
+
+
+def test_session_header_and_user_field_keep_a_session_on_one_replica(tmp_path):
+    routing = "  policy: session_affinity\n  session_header: x-tenant-session\n  session_affinity: {fallback: round_robin}\n"
+    with cluster(tmp_path, routing) as gateway:
+        rng = random.Random(3)
+        by_header = [complete(gateway, [rng.randrange(10, 250) for _ in range(8)], f"h-{i}",
+                              headers={"x-tenant-session": "s-1"}) for i in range(4)]
+        assert len({r["replica"] for r in by_header}) == 1
+        assert [r["routing"]["reason"] for r in by_header[1:]] == ["session affinity"] * 3
+        by_user = [complete(gateway, [rng.randrange(10, 250) for _ in range(8)], f"u-{i}", user="alice")
+                   for i in range(4)]
+        assert len({r["replica"] for r in by_user}) == 1
+        # Without a session, round robin alternates: the sessions above were sticky, not lucky.
+        plain = [complete(gateway, [5, 6, 7], f"p-{i}")["replica"] for i in range(2)]
+        assert plain[0] != plain[1]
