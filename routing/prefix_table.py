@@ -4,9 +4,9 @@ One table per model pool. Layout, chosen for bytes per cached block and vectoris
   - a bucketed hash table in flat numpy arrays: 8 slots per bucket, two candidate buckets
     per key (the two 32-bit halves of the mixed 64-bit block hash), so a lookup is one gather
     of 16 slots per prompt block and no probe loop; a whole prompt is matched in one pass.
-    Per slot: key (uint64, 0 = empty), `held` (uint64 bitmask of replicas holding the block), `guessed` (bitmask: held only because
-    we routed there, not confirmed by a KV event), `stamp` (uint32 ticks of 10 ms: last
-    time any replica inserted or touched the block).
+    Per slot: key (uint64, 0 = empty), `held` (uint64 bitmask of replicas holding the
+    block), `guessed` (bitmask: held only because we routed there, not confirmed by a KV
+    event), `stamp` (uint32 ticks of 10 ms: last time any replica inserted or touched it).
   - per replica a ring of its block hashes with a CLOCK hand (second chance: a block
     touched since the hand last passed it survives one more round) - the standard
     constant-memory approximation of LRU. The ring length is the replica's capacity in
