@@ -39,8 +39,13 @@ class LaunchedReplica:
 def replica_argv(spec: ReplicaSpec) -> list[str]:
     launch = spec.launch
     host = urlsplit(spec.url).hostname or "127.0.0.1"
-    return [sys.executable, "-m", "replica", "--model", launch.model, "--host", host, "--port", str(spec.port),
-            "--threads", str(launch.threads), "--served-model-name", spec.model, *launch.extra_args]
+    argv = [sys.executable, "-m", "replica", "--model", launch.model, "--host", host, "--port", str(spec.port),
+            "--threads", str(launch.threads), "--served-model-name", spec.model]
+    if spec.kv_events is not None:  # the replica publishes where the gateway subscribes
+        argv += ["--kv-events-endpoint", spec.kv_events.endpoint]
+        if spec.kv_events.replay_endpoint:
+            argv += ["--kv-events-replay-endpoint", spec.kv_events.replay_endpoint]
+    return argv + list(launch.extra_args)
 
 
 def _die_with_parent() -> None:
