@@ -81,9 +81,13 @@ def hf_tokens_per_s(loaded, prompts: list[list[int]], new_tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def _rss_bytes(pid: int) -> int:
+def _status_bytes(pid: int, field: str) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+    return int(next(line for line in status.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def _rss_bytes(pid: int) -> int:
+    return _status_bytes(pid, "VmRSS")
 
 
 def replica_peak_rss(model: str, kv_cache_gb: float, threads: int, burst: int, prompt_len: int,
@@ -121,6 +125,11 @@ def replica_peak_rss(model: str, kv_cache_gb: float, threads: int, burst: int, p
         finally:
             done.set()
             sampler.join()
+        # Where the resident memory is: private (heap, weights, KV) vs file-backed pages of
+        # shared libraries (torch's .so files), which replicas on one host share.
+        anon, file_backed = _status_bytes(pid, "RssAnon"), _status_bytes(pid, "RssFile")
+        print(f"replica resident after the burst: {anon / 1e6:.0f} MB private (RssAnon) + "
+              f"{file_backed / 1e6:.0f} MB file-backed (RssFile, shared libraries)")
     return float(before), float(peak[0]), f"{codes.count(200)}/{burst} ok"
 
 
