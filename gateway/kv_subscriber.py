@@ -22,7 +22,7 @@ from gateway.config import Config, KVEventsSpec
 from gateway.router import Router
 from observability.metrics import GatewayMetrics
 from routing.kv_event_index import KVEventIndex
-from routing.kv_event_wire import END_SEQ, decode_batch, decode_seq
+from protocol.kv_events import END_SEQ, decode_batch, decode_seq, encode_seq
 
 log = structlog.get_logger("kvgate.kv_events")
 
@@ -154,14 +154,14 @@ class KVEventSubscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             dealer.connect(self.spec.replay_endpoint)
-            await dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            await dealer.send_multipart((b"", encode_seq(start_seq)))
             first = None
             while True:
                 if await dealer.poll(REPLAY_TIMEOUT_S * 1000) == 0:
                     raise TimeoutError(f"replay endpoint {self.spec.replay_endpoint} silent for {REPLAY_TIMEOUT_S} s")
                 frames = await dealer.recv_multipart()
                 seq = decode_seq(frames[-2])
-                if seq == END_SEQ:
+                if frames[-2] == END_SEQ:
                     break
                 first = seq if first is None else first
                 self.index.replay(seq, decode_batch(frames[-1]), self.router.state.clock())

@@ -1,66 +1,19 @@
-"""KV events in vLLM's wire shape (DESIGN contract 2), published over ZMQ.
-
-Wire format, as vLLM's ZmqEventPublisher:
-  PUB socket      multipart [topic, seq (8 bytes big-endian), msgpack(KVEventBatch)]
-  replay socket   ROUTER; a REQ client sends the first seq it wants (8 bytes big-endian)
-                  and gets [seq, payload] replies for every buffered batch from there on,
-                  then [END_SEQ, b""] (END_SEQ = -1 as 8 signed bytes).
-Structs are array_like msgspec Structs with tags (the class name), so a vLLM subscriber
-decodes ours and ours decodes vLLM's.
-"""
+"""The replica's KV event publisher (DESIGN contract 2): block-pool events go out over ZMQ in
+vLLM's wire shape (protocol/kv_events.py holds the structs and the framing)."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Any
 
-import msgspec
 import zmq
 
+from protocol.kv_events import (DEFAULT_TOPIC, END_SEQ, AllBlocksCleared, BlockRemoved,
+                                BlockStored, KVEventBatch, encode_batch, encode_seq)
 from replica.block_pool import ClearedEvent, RemovedEvent, StoredEvent
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-DEFAULT_TOPIC = "kv-events"
 
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of all KV cache events; the tag is the class name, as in vLLM."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-_encoder = msgspec.msgpack.Encoder()
-batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def to_wire(event) -> KVCacheEvent:
+def to_wire(event) -> BlockStored | BlockRemoved | AllBlocksCleared:
     """Block-pool event (plain dataclass) -> wire struct."""
     if isinstance(event, StoredEvent):
         return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
@@ -100,7 +53,7 @@ class KVEventPublisher:
         if not events:
             return
         batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events])
-        payload = _encoder.encode(batch)
+        payload = encode_batch(batch)
         with self._lock:
             self._pending.append(payload)
         self._wake.set()
@@ -142,7 +95,7 @@ class KVEventPublisher:
                         if not self._pending:
                             break
                         payload = self._pending.popleft()
-                    seq_bytes = self._seq.to_bytes(8, "big")
+                    seq_bytes = encode_seq(self._seq)
                     self._buffer.append((self._seq, payload))
                     self._seq += 1
                     pub.send_multipart((self.topic, seq_bytes, payload), copy=False)
@@ -157,5 +110,5 @@ class KVEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                router.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                router.send_multipart((identity, b"", encode_seq(seq), payload))
         router.send_multipart((identity, b"", END_SEQ, b""))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from replica.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, batch_decoder
+from protocol.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from replica.loader import load_model
 from replica.model_runner import ModelRunner, greedy_generate
 from routing.hashing import ROOT_HASH, block_hashes
@@ -94,7 +94,7 @@ def test_shared_prefix_hits_the_cache_with_identical_tokens(tiny):
 def _collect_events(sub, received: dict, until_s: float) -> None:
     while time.monotonic() < until_s and sub.poll(50):
         topic, seq, payload = sub.recv_multipart()
-        received[int.from_bytes(seq, "big")] = batch_decoder.decode(payload)
+        received[int.from_bytes(seq, "big")] = decode_batch(payload)
 
 
 def _replay(ctx, endpoint: str, start_seq: int) -> dict:
@@ -108,7 +108,7 @@ def _replay(ctx, endpoint: str, start_seq: int) -> dict:
             _, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 return replayed
-            replayed[int.from_bytes(seq, "big")] = batch_decoder.decode(payload)
+            replayed[int.from_bytes(seq, "big")] = decode_batch(payload)
         raise AssertionError("replay socket did not answer END_SEQ")
     finally:
         dealer.close()

@@ -6,7 +6,8 @@ import pytest
 import zmq
 
 from replica.block_pool import BlockPool
-from replica.kv_events import END_SEQ, KVEventPublisher, batch_decoder, BlockStored, BlockRemoved
+from protocol.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
+from replica.kv_events import KVEventPublisher
 from routing.hashing import block_hashes
 
 
@@ -52,7 +53,7 @@ def test_subscriber_rebuilds_cache_contents_and_replays_missed_batches(publisher
         if sub.poll(100):
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv-events"
-            received[int.from_bytes(seq, "big")] = batch_decoder.decode(payload)
+            received[int.from_bytes(seq, "big")] = decode_batch(payload)
 
     # Ask the replay socket from seq 1 on (or from the first batch this subscriber missed).
     # The ROUTER answers one message per batch, so the client is a DEALER (REQ keeps one).
@@ -67,7 +68,7 @@ def test_subscriber_rebuilds_cache_contents_and_replays_missed_batches(publisher
         if seq == END_SEQ:
             assert payload == b""
             break
-        replayed[int.from_bytes(seq, "big")] = batch_decoder.decode(payload)
+        replayed[int.from_bytes(seq, "big")] = decode_batch(payload)
     assert sorted(replayed) == list(range(first_missing, 3))
     for seq in set(replayed) & set(received):
         assert replayed[seq] == received[seq]

@@ -16,7 +16,7 @@ from gateway.kv_subscriber import KVEventSubscribers
 from gateway.router import Router
 from observability.metrics import GatewayMetrics
 from routing.hashing import block_hashes
-from routing.kv_event_wire import END_SEQ, BlockStored, KVEventBatch
+from protocol.kv_events import END_SEQ, BlockStored, KVEventBatch
 from tests.servers import free_port
 
 WAIT_S = 10.0
@@ -50,7 +50,7 @@ class ScriptedPublisher:
             for seq in sorted(self.buffer):
                 if seq >= start_seq:
                     await self.router.send_multipart((identity, b"", seq.to_bytes(8, "big"), self.buffer[seq]))
-            await self.router.send_multipart((identity, b"", END_SEQ.to_bytes(8, "big", signed=True), b""))
+            await self.router.send_multipart((identity, b"", END_SEQ, b""))
 
     def close(self) -> None:
         self.task.cancel()
