@@ -3,7 +3,7 @@ reads kvgate replicas and vLLM servers the same way. One CollectorRegistry per s
 and embedded setups run several servers in one process without clashing."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +19,9 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+if TYPE_CHECKING:
+    from replica.block_pool import BlockPool
+
 
 class EngineStats(Protocol):
     num_running: int
@@ -29,6 +32,7 @@ class EngineStats(Protocol):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    pool: BlockPool
 
 
 class _EngineCollector:
@@ -41,6 +45,12 @@ class _EngineCollector:
 
     def collect(self):
         label = [self._model_name]
+        # vLLM publishes its KV capacity as labels of an info gauge; routers size their prefix
+        # tables from it (gateway/scraper.py reads num_gpu_blocks).
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([str(self._engine.pool.block_size), str(self._engine.pool.num_blocks), "True"], 1.0)
+        yield info
         for name, doc, value in (
                 ("vllm:num_requests_running", "Requests in the engine's running set.", self._engine.num_running),
                 ("vllm:num_requests_waiting", "Requests queued, not yet running.", self._engine.num_waiting),

@@ -438,3 +438,21 @@ def test_metrics_carry_vllm_cache_and_scheduler_names(client):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"):
         assert f"\n{name}{{" in text, name
     assert metric(client, "vllm:prefix_cache_queries_total") > 0
+
+
+def test_metrics_advertise_kv_capacity_like_vllm(client):
+    """Routers size their prefix tables from vllm:cache_config_info{num_gpu_blocks=...}."""
+    import re
+
+    import torch
+
+    from replica.loader import load_model
+    from replica.model_runner import num_blocks_for_budget
+
+    config = load_model("tiny").config
+    expected = num_blocks_for_budget(config, 16, torch.float32, 0.25)  # the replica's defaults
+    text = client.get("/metrics").text
+    match = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"[^}]*\} 1\.0$', text, re.MULTILINE)
+    assert match, text[:2000]
+    assert int(match.group(1)) == expected
+    assert 'block_size="16"' in match.group(0)
