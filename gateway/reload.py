@@ -14,6 +14,7 @@ from typing import Callable
 
 import structlog
 
+from gateway.background import BackgroundLoop
 from gateway.config import Config, ConfigError, load_config
 from observability.metrics import GatewayMetrics
 
@@ -24,7 +25,9 @@ POLL_S = 1.0
 _RESTART_ONLY = ("gateway.host", "gateway.port", "gateway.max_body_bytes", "logging.level", "logging.format")
 
 
-class ConfigWatcher:
+class ConfigWatcher(BackgroundLoop):
+    task_name = "config-watcher"
+
     def __init__(self, path: str | Path, current: Config, apply: Callable[[Config], dict],
                  metrics: GatewayMetrics, poll_s: float = POLL_S) -> None:
         self.path = Path(path)
@@ -33,7 +36,6 @@ class ConfigWatcher:
         self.metrics = metrics
         self.poll_s = poll_s
         self._stamp = self._stat()
-        self._task: asyncio.Task | None = None
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -41,14 +43,6 @@ class ConfigWatcher:
         except OSError:
             return None
         return st.st_mtime_ns, st.st_size
-
-    async def start(self, _app=None) -> None:
-        self._task = asyncio.create_task(self._run(), name="config-watcher")
-
-    async def close(self, _app=None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:

@@ -10,6 +10,7 @@ import re
 import aiohttp
 import structlog
 
+from gateway.background import BackgroundLoop
 from gateway.router import Router
 from gateway.upstream import ReplicaPool, ReplicaState
 from observability.metrics import GatewayMetrics
@@ -22,21 +23,14 @@ _NUM_BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"'
 _OFF_LOOP_BYTES = 64 * 1024  # a big vLLM /metrics page takes ~10 ms to parse: do that in a thread
 
 
-class Scraper:
+class Scraper(BackgroundLoop):
+    task_name = "scraper"
+
     def __init__(self, pool: ReplicaPool, router: Router, metrics: GatewayMetrics) -> None:
         self.pool = pool
         self.router = router
         self.metrics = metrics
         self._failing: set[str] = set()
-        self._task: asyncio.Task | None = None
-
-    async def start(self, _app=None) -> None:
-        self._task = asyncio.create_task(self._run(), name="scraper")
-
-    async def close(self, _app=None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
