@@ -15,12 +15,15 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def embedded_default(tmp_path_factory):
     """configs/local.yaml exactly as shipped, but on free ports so a running `kvgate up` (or
-    anything else on 8000/8101/8102) does not collide with the test."""
+    anything else on its ports) does not collide with the test."""
     config = yaml.safe_load((REPO_ROOT / "configs" / "local.yaml").read_text())
     assert [r["launch"]["model"] for r in config["replicas"]] == ["smollm2", "smollm2"]
     config["gateway"]["port"] = free_port()
     for replica in config["replicas"]:
         replica["url"] = f"http://127.0.0.1:{free_port()}"
+        if replica.get("kv_events"):
+            replica["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                    "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     path = tmp_path_factory.mktemp("quickstart") / "local.yaml"
     path.write_text(yaml.safe_dump(config))
     port = config["gateway"]["port"]
