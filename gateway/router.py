@@ -7,9 +7,11 @@ Everything here is synchronous and runs on the event loop between awaits, so a h
 with: a request in flight across a reload reports to the tracker it was counted in."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import structlog
 
 from gateway.config import Config, RoutingSection
@@ -17,6 +19,7 @@ from observability.metrics import GatewayMetrics
 from routing import RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 from routing.load import LoadModel, LoadTracker
+from routing.prefix_table import as_block_keys
 
 log = structlog.get_logger("kvgate.router")
 
@@ -31,6 +34,7 @@ class Ticket:
     hashes: Sequence[int]
     predicted_cached_tokens: int
     uses_table: bool           # the policy consulted/learned the prefix table
+    prefix_key: int | None = None  # what the policy counted as running there (tracker.on_routed)
     started_decoding: bool = False
     done: bool = False
 
@@ -101,9 +105,10 @@ class Router:
     def session_key(self, headers, user: str | None) -> str | None:
         return headers.get(self.config.routing.session_header) or user or None
 
-    def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
-        """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt."""
-        return block_hashes(prompt_token_ids, self.state.block_size, cache_salt)
+    def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> np.ndarray:
+        """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt, kept
+        as the uint64 array the prefix table reads (no per-decision conversion)."""
+        return as_block_keys(block_hashes(prompt_token_ids, self.state.block_size, cache_salt))
 
     def route(self, candidates: list[str], model: str, prompt_token_ids: Sequence[int],
               hashes: Sequence[int], session_key: str | None, cache_salt: str | None,
@@ -114,12 +119,22 @@ class Router:
         # The load each candidate looked like before this decision (the record explains the choice).
         estimates = ({name: _estimate_log(state, name) for name in candidates}
                      if self.policy.name != "round_robin" else None)
-        decision = self.policy.choose(candidates, request)
+        policy = self.policy
+        decision = policy.choose(candidates, request)
         if decision.policy == "round_robin":  # the one policy that does not count what it routes
             state.tracker.on_routed(decision.replica, len(prompt_token_ids), 0)
+        commit = getattr(policy, "commit", None)
+        if commit is not None:
+            # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
+            # decision path: on the next loop turn, once the request is on its way upstream.
+            try:
+                asyncio.get_running_loop().call_soon(commit, decision)
+            except RuntimeError:  # no loop (called from plain code): record it now
+                commit(decision)
         predicted = getattr(decision, "predicted_cached_tokens", 0)
         uses_table = bool(getattr(decision, "matched_blocks", None))
-        ticket = Ticket(decision.replica, model, state, len(prompt_token_ids), hashes, predicted, uses_table)
+        ticket = Ticket(decision.replica, model, state, len(prompt_token_ids), hashes, predicted, uses_table,
+                        getattr(decision, "prefix_key", None))
         if predicted:
             self.metrics.predicted_cached_tokens.labels(replica=decision.replica).inc(predicted)
         entry = decision.as_log()
@@ -149,7 +164,7 @@ class Router:
         if ticket.replica not in state.model_of:
             return  # removed by a reload while this ran: nothing of it is tracked any more
         state.tracker.on_finished(ticket.replica, ticket.prompt_tokens, ticket.predicted_cached_tokens,
-                                  started_decoding=ticket.started_decoding)
+                                  started_decoding=ticket.started_decoding, prefix_key=ticket.prefix_key)
         if cached_tokens is not None:
             self.metrics.reported_cached_tokens.labels(replica=ticket.replica).inc(cached_tokens)
         if not ticket.uses_table or self.precise.get(ticket.replica):

@@ -6,9 +6,10 @@ cache_aware      min over candidates of prefill cost of the uncached tokens + qu
                  among those a balance guard allows
 session_affinity sticky session -> replica map (bounded, TTL) in front of another policy
 
-Policies that route (all but round_robin) record the routing in the shared state: the load
-tracker's on_routed, and (cache_aware, approximate mode) the prompt's blocks as guessed on the
-chosen replica. The gateway then reports on_first_token / on_finished to `state.tracker`.
+Policies that route (all but round_robin) record the routing in the load tracker (on_routed) as
+they decide. cache_aware's approximate mode records the prompt's blocks as guessed on the chosen
+replica in a separate `commit(decision)`, which the gateway calls once the request is on its way
+(off the decision path). The gateway then reports on_first_token / on_finished to `state.tracker`.
 """
 from __future__ import annotations
 
@@ -139,63 +140,183 @@ def _consistent_hash(params: dict, state: RoutingState):
     return ConsistentHash(state, **values)
 
 
+_MIX64 = 0x9E37_79B9_7F4A_7C15  # odd multiplier: rendezvous ranks from (replica hash ^ prefix key)
+_MASK64 = (1 << 64) - 1
+
+
+class CacheAwareDecision:
+    """A cache_aware decision: the chosen replica plus what explains it, kept as lists aligned
+    with the candidates; the dicts and the reason text of the log record are built on demand
+    (after the response), not on the decision path."""
+    __slots__ = ("replica", "candidates", "predicted_cached_tokens", "prefix_key", "_matched", "_loads",
+                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes")
+    policy = "cache_aware"
+
+    def __init__(self, replica, candidates, predicted_cached_tokens, prefix_key, matched, loads, scores,
+                 allowed, why, balance_factor, table, hashes) -> None:
+        self.replica, self.candidates = replica, candidates
+        self.predicted_cached_tokens, self.prefix_key = predicted_cached_tokens, prefix_key
+        self._matched, self._loads, self._scores, self._allowed = matched, loads, scores, allowed
+        self._why, self._balance_factor = why, balance_factor
+        self.table, self.hashes = table, hashes  # for commit(): where the guess goes
+
+    @property
+    def matched_blocks(self) -> dict[str, int]:
+        return dict(zip(self.candidates, self._matched))
+
+    @property
+    def load(self) -> dict[str, float]:
+        return dict(zip(self.candidates, self._loads))
+
+    @property
+    def scores(self) -> dict[str, float]:
+        return dict(zip(self.candidates, self._scores))
+
+    @property
+    def reason(self) -> str:
+        matched = self._matched
+        chosen = self.candidates.index(self.replica)
+        best = max(range(len(matched)), key=matched.__getitem__)
+        if matched[best] == matched[chosen]:
+            text = (f"longest prefix ({matched[chosen]} blocks) at lowest cost" if matched[chosen]
+                    else "no cached prefix; lowest queueing delay")
+        elif best not in self._allowed:
+            text = (f"balance guard: {self.candidates[best]} holds {matched[best]} blocks but is over "
+                    f"{self._balance_factor}x mean load")
+        else:
+            text = (f"queueing at {self.candidates[best]} outweighs its {matched[best] - matched[chosen]} "
+                    f"extra cached blocks")
+        return text + (f"; tie broken by {self._why}" if self._why else "")
+
+    def as_log(self) -> dict:
+        return {"policy": self.policy, "reason": self.reason, "chosen": self.replica,
+                "candidates": list(self.candidates), "matched_blocks": self.matched_blocks,
+                "load": self.load, "scores": {k: round(v, 6) for k, v in self.scores.items()},
+                "predicted_cached_tokens": self.predicted_cached_tokens}
+
+
 class CacheAware:
     """score(r) = prefill_weight * uncached_tokens(r) / prefill_tokens_per_s
                 + queue_weight * queue_delay_s(r), in seconds; lowest wins among the replicas
-    the balance guard allows (load + 1 <= balance_factor x mean + balance_slack)."""
+    the balance guard allows.
+
+    Balance guard (the bound on a hot prefix): a replica may take one more request while its
+    in-flight load + 1 <= balance_factor x mean (counting this request) + balance_slack. A
+    replica that holds the prompt's prefix (>= min_match_blocks) and is not already running
+    a request with this prefix gets `follow_slack` more requests: following a cache piles up
+    only when the same prefix arrives faster than one replica serves it (that prefix is hot
+    and gets the strict bound); a cold prefix sent away from its cache is a miss there and a
+    duplicate of its prefix evicting someone else's. The least loaded are always allowed.
+
+    Ties (a prefix nobody holds, on idle replicas) go to the replica whose cache is emptiest
+    (fewest blocks in the table for its capacity), then by rendezvous hash of the prompt's first
+    block, never by config order: new prefixes spread over the replicas, and each replica's
+    share of prefixes fits its cache (SGLang's "smallest tree" for a low match).
+
+    `choose` decides and counts the request in the load tracker; `commit(decision)` records
+    the prompt's blocks as guessed on the chosen replica (approximate mode, learn_from_routing),
+    off the decision path: the gateway calls it once the request is on its way."""
     name = "cache_aware"
 
     def __init__(self, state: RoutingState, prefill_weight: float = 1.0, queue_weight: float = 1.0,
-                 balance_factor: float = 1.25, balance_slack: float = 0.0, min_match_blocks: int = 1,
-                 learn_from_routing: bool = True) -> None:
+                 balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
+                 min_match_blocks: int = 1, learn_from_routing: bool = True) -> None:
         self.state = state
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
         self.balance_factor = balance_factor
         self.balance_slack = balance_slack
+        self.follow_slack = max(follow_slack, balance_slack)
         self.min_match_blocks = min_match_blocks
         self.learn_from_routing = learn_from_routing  # approximate mode: a routed prompt is assumed cached there
+        self._name_hash: dict[str, int] = {}
+        self._turn = 0  # rank rotation for prompts shorter than a block (no prefix key)
 
-    def choose(self, candidates: Sequence[str], request: RequestInfo) -> RoutingDecision:
+    def choose(self, candidates: Sequence[str], request: RequestInfo) -> CacheAwareDecision:
         require_candidates(candidates)
-        state, tracker = self.state, self.state.tracker
+        state = self.state
+        tracker = state.tracker
         now = state.clock()
         hashes = state.hashes(request)
         table = state.table(request.model)
-        matched = table.match(hashes, now, candidates) if len(hashes) else {name: 0 for name in candidates}
+        n_blocks = len(hashes)
+        matched = table.match_lengths(hashes, now, candidates) if n_blocks else [0] * len(candidates)
+        loads, delays = tracker.loads_and_delays(candidates, now)
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size
-        tokens_per_s = tracker.model.prefill_tokens_per_s
-        loads = _loads(state, candidates, now)
-        allowed = _within_bound(loads, self.balance_factor, self.balance_slack)
-        scores = {}
-        for name in candidates:
-            blocks = matched[name] if matched[name] >= self.min_match_blocks else 0
-            uncached = max(prompt_tokens - blocks * block, 0)
-            scores[name] = (self.prefill_weight * uncached / tokens_per_s
-                            + self.queue_weight * tracker.queue_delay_s(name, now))
-        # Ties (e.g. nothing cached anywhere, all idle) go to the least loaded, then config order.
-        chosen = min(allowed, key=lambda name: (scores[name], loads[name]))
-        best = max(candidates, key=lambda name: matched[name])
-        if chosen == best or matched[best] == matched[chosen]:
-            reason = (f"longest prefix ({matched[chosen]} blocks) at lowest cost" if matched[chosen]
-                      else "no cached prefix; lowest queueing delay")
-        elif best not in allowed:
-            reason = f"balance guard: {best} holds {matched[best]} blocks but is over {self.balance_factor}x mean load"
-        else:
-            reason = f"queueing at {best} outweighs its {matched[best] - matched[chosen]} extra cached blocks"
+        min_match = self.min_match_blocks or 1
+        per_token_s = self.prefill_weight / tracker.model.prefill_tokens_per_s
+        queue_weight = self.queue_weight
+        prefix_key = int(hashes[0]) if n_blocks else None
+        # Balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1).
+        mean_after = (sum(loads) + 1) / len(loads)
+        strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
+        follow_cap = self.balance_factor * mean_after + self.follow_slack - 1
+        # One pass: score every candidate, keep the allowed ones with the lowest score (~1 us each).
+        scores = []
+        allowed = []
+        tied: list[int] = []
+        best_score = float("inf")
+        for i, load in enumerate(loads):
+            blocks = matched[i]
+            if blocks < min_match:
+                blocks = 0
+            uncached = prompt_tokens - blocks * block
+            score = per_token_s * (uncached if uncached > 0 else 0) + queue_weight * delays[i]
+            scores.append(score)
+            if load > strict_cap and not (blocks and load <= follow_cap
+                                          and not tracker.running_prefix(candidates[i], prefix_key)):
+                continue
+            allowed.append(i)
+            if score < best_score:
+                best_score, tied = score, [i]
+            elif score == best_score:
+                tied.append(i)
+        if not allowed:  # everyone over the bound: the least loaded
+            low = min(loads)
+            allowed = [i for i, load in enumerate(loads) if load == low]
+            best_score = min(scores[i] for i in allowed)
+            tied = [i for i in allowed if scores[i] == best_score]
+        why = ""
+        chosen = tied[0]
+        if len(tied) > 1:
+            chosen, why = self._break_tie(candidates, tied, loads, table, prefix_key)
+        name = candidates[chosen]
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
-        tracker.on_routed(chosen, prompt_tokens, cached_tokens)
-        if self.learn_from_routing and len(hashes):
-            table.insert(chosen, hashes, guessed=True, now=now)
-        return RoutingDecision(chosen, self.name, reason, tuple(candidates), matched_blocks=matched,
-                               load=loads, scores=scores, predicted_cached_tokens=cached_tokens)
+        tracker.on_routed(name, prompt_tokens, cached_tokens, prefix_key)
+        return CacheAwareDecision(name, tuple(candidates), cached_tokens, prefix_key, matched, loads, scores,
+                                  allowed, why, self.balance_factor, table, hashes)
+
+    def _break_tie(self, candidates, tied: list[int], loads, table, prefix_key) -> tuple[int, str]:
+        """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
+        hash of the prefix key (a new prefix lands on a stable, spread-out replica)."""
+        if prefix_key is None:
+            self._turn += 1
+            prefix_key = self._turn
+        name_hash = self._name_hash
+        def rank(i: int) -> tuple:
+            name = candidates[i]
+            h = name_hash.get(name)
+            if h is None:
+                h = name_hash[name] = xxhash.xxh3_64_intdigest(name.encode())
+            return loads[i], table.fill(name), ((h ^ prefix_key) * _MIX64) & _MASK64
+        ranked = sorted(tied, key=rank)
+        first, second = rank(ranked[0]), rank(ranked[1])
+        why = ("least load" if first[0] != second[0] else "emptiest cache" if first[1] != second[1]
+               else "prefix hash")
+        return ranked[0], why
+
+    def commit(self, decision: CacheAwareDecision) -> None:
+        """Approximate mode: the chosen replica will hold the prompt's blocks (a guess, corrected
+        by the cached tokens it reports). Called after `choose`, off the decision path."""
+        if self.learn_from_routing and len(decision.hashes) and decision.replica in decision.table.replicas():
+            decision.table.insert(decision.replica, decision.hashes, guessed=True, now=self.state.clock())
 
 
 @register("cache_aware")
 def _cache_aware(params: dict, state: RoutingState):
     values = _take(params, "cache_aware", prefill_weight=1.0, queue_weight=1.0, balance_factor=1.25,
-                   balance_slack=0.0, min_match_blocks=1, learn_from_routing=True)
+                   balance_slack=0.0, follow_slack=2.0, min_match_blocks=1, learn_from_routing=True)
     return CacheAware(state, **values)
 
 
@@ -238,7 +359,14 @@ class SessionAffinity:
         return RoutingDecision(decision.replica, self.name, f"{moved} session; {decision.policy}: {decision.reason}",
                                tuple(candidates), getattr(decision, "matched_blocks", {}),
                                getattr(decision, "load", {}), getattr(decision, "scores", {}),
-                               getattr(decision, "predicted_cached_tokens", 0))
+                               getattr(decision, "predicted_cached_tokens", 0),
+                               getattr(decision, "prefix_key", None), decision)
+
+    def commit(self, decision) -> None:
+        """The fallback's commit, for a decision the fallback made."""
+        commit = getattr(self.fallback, "commit", None)
+        if commit is not None and getattr(decision, "inner", None) is not None:
+            commit(decision.inner)
 
 
 @register("session_affinity")

@@ -34,6 +34,8 @@ class RoutingDecision:
     load: dict[str, float] = field(default_factory=dict)       # in-flight requests per candidate
     scores: dict[str, float] = field(default_factory=dict)     # lower is better; seconds for cache_aware
     predicted_cached_tokens: int = 0
+    prefix_key: int | None = None  # counted as running on `replica` by tracker.on_routed
+    inner: Any = None              # the wrapped policy's own decision (session_affinity's fallback)
 
     def as_log(self) -> dict:
         return {"policy": self.policy, "reason": self.reason, "chosen": self.replica,

@@ -28,7 +28,10 @@ MAX_LOAD = 0.80    # table slots >= total capacity / MAX_LOAD: two-choice bucket
 
 _U64 = np.uint64
 _ONE = np.uint64(1)
-_MIX = np.uint64(0x9E37_79B9_7F4A_7C15)  # odd (2**64 / golden ratio): bucket mixing
+_MIX_INT = 0x9E37_79B9_7F4A_7C15  # odd (2**64 / golden ratio): bucket mixing
+_MIX = np.uint64(_MIX_INT)
+_MASK64 = (1 << 64) - 1
+_SHIFT32 = np.uint64(32)
 
 
 class PrefixTableError(ValueError):
@@ -96,6 +99,13 @@ class PrefixTable:
     def capacity(self, replica: str) -> int:
         return len(self._rings[replica].hashes)
 
+    def has_replica(self, replica: str) -> bool:
+        return replica in self._index
+
+    def fill(self, replica: str) -> float:
+        """Fraction of the replica's capacity the table records as held (0 = empty cache)."""
+        return self._sizes[replica] / len(self._rings[replica].hashes)
+
     def size(self, replica: str) -> int:
         """Blocks the table records for this replica (guessed ones included until evicted)."""
         return self._sizes[replica]
@@ -107,48 +117,100 @@ class PrefixTable:
 
     # ---- lookups ----------------------------------------------------------------------
     def match(self, hashes, now: float, candidates: Iterable[str] | None = None) -> dict[str, int]:
-        """Matched prefix length in blocks for every candidate (default: every replica).
+        """Matched prefix length in blocks for every candidate (default: every replica)."""
+        names = list(self._index if candidates is None else candidates)
+        return dict(zip(names, self.match_lengths(hashes, now, names)))
 
-        One vectorised pass over all the prompt's blocks (~15 numpy calls, no per-block Python):
-        gather both candidate buckets of every block, find the keys, take each block's replica
-        bitmask (0 when absent, guesses past their TTL removed), AND-accumulate along the prompt;
-        a replica's match ends where its bit first drops (chain property). Cost is linear in the
-        prompt's blocks, independent of the table's size."""
-        names = self._index if candidates is None else candidates
+    def match_lengths(self, hashes, now: float, candidates: Sequence[str]) -> list[int]:
+        """Matched prefix length in blocks of each candidate, in the candidates' order.
+
+        Block 0 first, as one scalar probe: a prompt nobody holds (a new prefix) ends there.
+        Otherwise one vectorised pass over all the prompt's blocks (~12 numpy calls into
+        preallocated scratch, no per-block Python): gather both candidate buckets of every block,
+        find the keys, take each block's replica bitmask (0 when absent, guesses past their TTL
+        removed), AND-accumulate along the prompt; a replica's match ends where its bit first
+        drops (chain property). Cost is linear in the prompt's blocks, independent of the table's
+        size. `hashes`: pass a uint64 array (a list costs a conversion, ~20 us for 500 blocks)."""
         index = self._index
+        bits = [index.get(name, -1) for name in candidates]
         want = 0  # bitmask of the candidates we know
-        for name in names:
-            bit = index.get(name)
-            if bit is not None:
+        for bit in bits:
+            if bit >= 0:
                 want |= 1 << bit
         keys = as_block_keys(hashes)
-        if not want or keys.size == 0:
-            return {name: 0 for name in names}
-        held = np.zeros(keys.size, dtype=_U64)
-        block, pos = self._lookup(keys)
-        if block.size:
-            found_held = self._held.take(pos)
-            if self.guess_ttl_ticks:
-                found_held = self._drop_expired_guesses(found_held, pos, now)
-            held[block] = found_held
-        prefix = np.bitwise_and.accumulate(held)
+        n = keys.size
+        if not want or n == 0 or not self._probe(int(keys[0]), now) & want:
+            return [0] * len(bits)
+        prefix = np.bitwise_and.accumulate(self._held_per_key(keys, now))
         # prefix only loses bits along the prompt, so it changes value at most 64 times: a
         # short Python loop over those changes (not over blocks) turns them into lengths.
-        ends = np.flatnonzero(prefix[1:] != prefix[:-1]) + 1
+        ends = np.flatnonzero(prefix[1:] != prefix[:-1])
         length_by_bit: dict[int, int] = {}
-        alive = int(prefix[0])
-        for end, after in zip(ends.tolist(), prefix.take(ends).tolist()):
+        alive = int(prefix[0]) & want
+        for end, after in zip(ends.tolist(), prefix.take(ends + 1).tolist()):
             dropped = alive & ~after
+            alive &= after
             while dropped:
                 low = dropped & -dropped
-                length_by_bit[low.bit_length() - 1] = end
+                length_by_bit[low.bit_length() - 1] = end + 1
                 dropped ^= low
-            alive = after
+            if not alive:
+                break
         while alive:
             low = alive & -alive
-            length_by_bit[low.bit_length() - 1] = int(keys.size)
+            length_by_bit[low.bit_length() - 1] = n
             alive ^= low
-        return {name: length_by_bit.get(index.get(name), 0) for name in names}
+        get = length_by_bit.get
+        return [get(bit, 0) for bit in bits]
+
+    def _probe(self, key: int, now: float) -> int:
+        """One block's replica bitmask (guesses past their TTL removed), in scalar Python."""
+        mixed = (key * _MIX_INT) & _MASK64
+        nb = self._nb
+        for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
+            base = ((half * nb) >> 32) * SLOTS_PER_BUCKET
+            lanes = self._keys[base:base + SLOTS_PER_BUCKET].tolist()
+            if key in lanes:
+                slot = base + lanes.index(key)
+                held = int(self._held[slot])
+                oldest_live = self._tick(now) - self.guess_ttl_ticks
+                if self.guess_ttl_ticks and oldest_live > 0 and int(self._stamp[slot]) < oldest_live:
+                    held &= ~int(self._guessed[slot])
+                return held
+        return 0
+
+    def _held_per_key(self, keys: np.ndarray, now: float) -> np.ndarray:
+        """Replica bitmask of each key (0 where absent), via the scratch buffers."""
+        n = keys.size
+        if n > self._scratch_keys:
+            self._alloc_scratch(n)
+        buckets = np.multiply(keys, _MIX, out=self._s_mixed[:n]).view(np.uint32)  # [2n] halves
+        chosen = np.multiply(buckets, self._nb_u64, out=self._s_buckets[:2 * n])
+        np.right_shift(chosen, _SHIFT32, out=chosen)
+        chosen = chosen.view(np.intp)
+        rows = np.take(self._keys2d, chosen, axis=0, out=self._s_rows[:2 * n])
+        equal = np.equal(rows.reshape(n, 2 * SLOTS_PER_BUCKET), keys[:, None], out=self._s_equal[:n])
+        hits = np.flatnonzero(equal)
+        # hit h: key h // 16, bucket chosen[h // 8] (= 2 * key + choice), lane h % 8
+        pos = (chosen.take(hits >> 3) << 3) | (hits & 7)
+        held = self._s_held[:n]
+        held.fill(0)
+        found = self._held.take(pos)
+        if self.guess_ttl_ticks:
+            found = self._drop_expired_guesses(found, pos, now)
+        held[hits >> 4] = found
+        return held
+
+    def _alloc_scratch(self, n: int) -> None:
+        """Per-lookup work arrays, sized to the longest prompt seen (a few KB per 100 blocks):
+        a lookup allocates only its small results."""
+        n = max(n, 64)
+        self._scratch_keys = n
+        self._s_mixed = np.empty(n, dtype=_U64)
+        self._s_buckets = np.empty(2 * n, dtype=_U64)
+        self._s_rows = np.empty((2 * n, SLOTS_PER_BUCKET), dtype=_U64)
+        self._s_equal = np.empty((n, 2 * SLOTS_PER_BUCKET), dtype=bool)
+        self._s_held = np.empty(n, dtype=_U64)
 
     def _drop_expired_guesses(self, found_held: np.ndarray, pos: np.ndarray, now: float) -> np.ndarray:
         """Clear guessed bits of blocks last touched more than guess_ttl_s ago (vectorised)."""
@@ -244,6 +306,9 @@ class PrefixTable:
         self._guessed = np.zeros(n, dtype=_U64)
         self._stamp = np.zeros(n, dtype=np.uint32)
         self._lane = np.arange(SLOTS_PER_BUCKET, dtype=np.intp)
+        self._keys2d = self._keys.reshape(buckets, SLOTS_PER_BUCKET)
+        if not hasattr(self, "_scratch_keys"):
+            self._alloc_scratch(64)
 
     def _grow(self, buckets: int) -> None:
         live = np.flatnonzero(self._keys)
