@@ -95,9 +95,9 @@ class Router:
         if spec is None or spec.capacity_blocks:
             return
         table = self.state.table(spec.model)
-        if replica in table.replicas() and table.capacity(replica) != blocks:
-            self.state.remove_replica(replica)  # a table's ring is fixed-size: re-register, empty
-            self.state.add_replica(replica, spec.model, blocks)
+        if table.has_replica(replica) and table.capacity(replica) != blocks:
+            # Keeps what the table learned for it (and its load): traffic may already be flowing.
+            table.resize(replica, blocks, self.state.clock())
             log.info("replica_capacity_learned", replica=replica, capacity_blocks=blocks)
 
     # ---- one request ----------------------------------------------------------------------------

@@ -65,6 +65,8 @@ class PrefixTable:
         self._bits = [None] * MAX_REPLICAS    # bit -> replica name
         self._rings: dict[str, _Ring] = {}
         self._sizes: dict[str, int] = {}
+        self._capacities: dict[str, int] = {}
+        self._bits_memo: dict[tuple[str, ...], tuple[list[int], int]] = {}
         self._alloc(self._buckets_for(expected_blocks))
 
     # ---- replicas ---------------------------------------------------------------------
@@ -78,9 +80,11 @@ class PrefixTable:
         if not free:
             raise PrefixTableError(f"at most {MAX_REPLICAS} replicas per prefix table")
         self._index[replica] = free[0]
+        self._bits_memo.clear()
         self._bits[free[0]] = replica
         self._rings[replica] = _Ring(capacity_blocks)
         self._sizes[replica] = 0
+        self._capacities[replica] = capacity_blocks
         total = sum(len(r.hashes) for r in self._rings.values())
         if self._buckets_for(total) > self._nb:
             self._grow(self._buckets_for(total))
@@ -90,8 +94,33 @@ class PrefixTable:
             return
         self.clear(replica)
         bit = self._index.pop(replica)
+        self._bits_memo.clear()
         self._bits[bit] = None
-        del self._rings[replica], self._sizes[replica]
+        del self._rings[replica], self._sizes[replica], self._capacities[replica]
+
+    def resize(self, replica: str, capacity_blocks: int, now: float) -> None:
+        """Give the replica a ring of `capacity_blocks` (its real KV capacity, learned late),
+        keeping the blocks the table holds for it (the most recently written first, up to the
+        new capacity; confirmed ones stay confirmed; guesses' TTL restarts). O(table): a
+        once-per-replica event."""
+        ring = self._rings[replica]
+        if capacity_blocks == len(ring.hashes):
+            return
+        bit = _ONE << _U64(self._index[replica])
+        capacity = len(ring.hashes)
+        # Newest first, approximately: positions fill in order, then the CLOCK hand writes behind it.
+        order = (np.arange(ring.fill)[::-1] if ring.fill < capacity
+                 else (ring.hand - 1 - np.arange(capacity)) % capacity)
+        keys = as_block_keys(ring.hashes[order])
+        pos, found = self._find(keys)
+        live = found & ((self._held[pos] & bit) != 0)
+        guessed = live & ((self._guessed[pos] & bit) != 0)
+        keep_confirmed, keep_guessed = keys[live & ~guessed], keys[guessed]
+        self.remove_replica(replica)
+        self.add_replica(replica, capacity_blocks)
+        for keys, is_guess in ((keep_guessed, True), (keep_confirmed, False)):  # confirmed: newer in the ring
+            if keys.size:
+                self.insert(replica, keys[:capacity_blocks][::-1], guessed=is_guess, now=now)
 
     def replicas(self) -> list[str]:
         return list(self._index)
@@ -102,9 +131,10 @@ class PrefixTable:
     def has_replica(self, replica: str) -> bool:
         return replica in self._index
 
-    def fill(self, replica: str) -> float:
-        """Fraction of the replica's capacity the table records as held (0 = empty cache)."""
-        return self._sizes[replica] / len(self._rings[replica].hashes)
+    def fills(self, replicas: Sequence[str]) -> list[float]:
+        """Fraction of each replica's capacity the table records as held (0 = empty cache)."""
+        sizes, capacities = self._sizes, self._capacities
+        return [sizes[name] / capacities[name] for name in replicas]
 
     def size(self, replica: str) -> int:
         """Blocks the table records for this replica (guessed ones included until evicted)."""
@@ -125,19 +155,17 @@ class PrefixTable:
         """Matched prefix length in blocks of each candidate, in the candidates' order.
 
         Block 0 first, as one scalar probe: a prompt nobody holds (a new prefix) ends there.
-        Otherwise one vectorised pass over all the prompt's blocks (~12 numpy calls into
-        preallocated scratch, no per-block Python): gather both candidate buckets of every block,
+        Otherwise one vectorised pass over all the prompt's blocks (~25 numpy calls, no
+        per-block Python): gather both candidate buckets of every block,
         find the keys, take each block's replica bitmask (0 when absent, guesses past their TTL
         removed), AND-accumulate along the prompt; a replica's match ends where its bit first
         drops (chain property). Cost is linear in the prompt's blocks, independent of the table's
         size. `hashes`: pass a uint64 array (a list costs a conversion, ~20 us for 500 blocks)."""
-        index = self._index
-        bits = [index.get(name, -1) for name in candidates]
-        want = 0  # bitmask of the candidates we know
-        for bit in bits:
-            if bit >= 0:
-                want |= 1 << bit
-        keys = as_block_keys(hashes)
+        bits, want = self._candidate_bits(candidates)
+        # A uint64 array is used as is (no scan for zeros, ~1.5 us): a 0 in a lookup finds only
+        # empty slots, whose bitmask is 0, so a block hashed to exactly 0 (odds 2**-64) reads as
+        # absent instead of matching the 1 it was stored as.
+        keys = hashes if isinstance(hashes, np.ndarray) and hashes.dtype == _U64 else as_block_keys(hashes)
         n = keys.size
         if not want or n == 0 or not self._probe(int(keys[0]), now) & want:
             return [0] * len(bits)
@@ -163,6 +191,22 @@ class PrefixTable:
         get = length_by_bit.get
         return [get(bit, 0) for bit in bits]
 
+    def _candidate_bits(self, candidates: Sequence[str]) -> tuple[list[int], int]:
+        """Each candidate's bit (-1: unknown) and the bitmask of them all, memoised per candidate
+        list (the pool rarely changes; add/remove_replica clear the memo)."""
+        key = tuple(candidates)
+        memo = self._bits_memo.get(key)
+        if memo is None:
+            bits = [self._index.get(name, -1) for name in key]
+            want = 0
+            for bit in bits:
+                if bit >= 0:
+                    want |= 1 << bit
+            if len(self._bits_memo) >= 64:
+                self._bits_memo.clear()
+            memo = self._bits_memo[key] = (bits, want)
+        return memo
+
     def _probe(self, key: int, now: float) -> int:
         """One block's replica bitmask (guesses past their TTL removed), in scalar Python."""
         mixed = (key * _MIX_INT) & _MASK64
@@ -180,47 +224,38 @@ class PrefixTable:
         return 0
 
     def _held_per_key(self, keys: np.ndarray, now: float) -> np.ndarray:
-        """Replica bitmask of each key (0 where absent), via the scratch buffers."""
+        """Replica bitmask of each key (0 where absent), guesses past their TTL removed.
+
+        ~15 numpy calls on arrays of the prompt's size: per-call overhead (~1 us) is most of the
+        cost, so every step is one call; no `out=` buffers (take into preallocated scratch
+        measured 2x slower here than allocating the small result)."""
         n = keys.size
-        if n > self._scratch_keys:
-            self._alloc_scratch(n)
-        buckets = np.multiply(keys, _MIX, out=self._s_mixed[:n]).view(np.uint32)  # [2n] halves
-        chosen = np.multiply(buckets, self._nb_u64, out=self._s_buckets[:2 * n])
-        np.right_shift(chosen, _SHIFT32, out=chosen)
-        chosen = chosen.view(np.intp)
-        rows = np.take(self._keys2d, chosen, axis=0, out=self._s_rows[:2 * n])
-        equal = np.equal(rows.reshape(n, 2 * SLOTS_PER_BUCKET), keys[:, None], out=self._s_equal[:n])
-        hits = np.flatnonzero(equal)
-        # hit h: key h // 16, bucket chosen[h // 8] (= 2 * key + choice), lane h % 8
-        pos = (chosen.take(hits >> 3) << 3) | (hits & 7)
-        held = self._s_held[:n]
-        held.fill(0)
+        halves = (keys * _MIX).view(np.uint32) * self._nb_u64  # [2n]: both choices of every key
+        halves >>= _SHIFT32
+        buckets = halves.view(np.intp)
+        rows = self._keys2d.take(buckets, axis=0)  # [2n, 8]: one row gather, no probe loop
+        hits = (rows.reshape(n, 2 * SLOTS_PER_BUCKET) == keys[:, None]).ravel().nonzero()[0]
+        # hit h: key h // 16, bucket buckets[h // 8] (= 2 * key + choice), lane h % 8
+        pos = (buckets.take(hits >> 3) << 3) | (hits & 7)
         found = self._held.take(pos)
         if self.guess_ttl_ticks:
             found = self._drop_expired_guesses(found, pos, now)
+        held = np.zeros(n, dtype=_U64)
         held[hits >> 4] = found
         return held
-
-    def _alloc_scratch(self, n: int) -> None:
-        """Per-lookup work arrays, sized to the longest prompt seen (a few KB per 100 blocks):
-        a lookup allocates only its small results."""
-        n = max(n, 64)
-        self._scratch_keys = n
-        self._s_mixed = np.empty(n, dtype=_U64)
-        self._s_buckets = np.empty(2 * n, dtype=_U64)
-        self._s_rows = np.empty((2 * n, SLOTS_PER_BUCKET), dtype=_U64)
-        self._s_equal = np.empty((n, 2 * SLOTS_PER_BUCKET), dtype=bool)
-        self._s_held = np.empty(n, dtype=_U64)
 
     def _drop_expired_guesses(self, found_held: np.ndarray, pos: np.ndarray, now: float) -> np.ndarray:
         """Clear guessed bits of blocks last touched more than guess_ttl_s ago (vectorised)."""
         oldest_live = self._tick(now) - self.guess_ttl_ticks  # stamp < this: expired
         if oldest_live <= 0:
             return found_held
+        guessed = self._guessed.take(pos)
+        if not guessed.any():  # only confirmed blocks (precise mode): nothing can expire
+            return found_held
         expired = self._stamp.take(pos) < oldest_live
         if not expired.any():
             return found_held
-        return np.where(expired, found_held & ~self._guessed.take(pos), found_held)
+        return found_held & ~(guessed * expired)  # guessed bits of the expired blocks cleared
 
     def holds(self, replica: str, hashes) -> np.ndarray:
         """Per block: does the table record it for this replica (TTL not applied)."""
@@ -307,8 +342,6 @@ class PrefixTable:
         self._stamp = np.zeros(n, dtype=np.uint32)
         self._lane = np.arange(SLOTS_PER_BUCKET, dtype=np.intp)
         self._keys2d = self._keys.reshape(buckets, SLOTS_PER_BUCKET)
-        if not hasattr(self, "_scratch_keys"):
-            self._alloc_scratch(64)
 
     def _grow(self, buckets: int) -> None:
         live = np.flatnonzero(self._keys)

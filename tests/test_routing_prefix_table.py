@@ -58,6 +58,23 @@ def test_capacity_bounds_each_replica_with_lru_like_eviction():
     assert table.size("b") == 0
 
 
+def test_resize_keeps_what_the_table_holds_for_the_replica():
+    """A replica's real capacity is learned from its /metrics after traffic started: the table
+    resizes its ring without forgetting (or unconfirming) what it already learned."""
+    table = _table("a", "b", capacity=1000)
+    confirmed, guessed = block_hashes(list(range(160))), block_hashes(list(range(1000, 1160)))
+    table.insert("a", confirmed, guessed=False, now=0)
+    table.insert("a", guessed, guessed=True, now=0)
+    table.insert("b", confirmed[:3], guessed=False, now=0)
+    table.resize("a", 500, now=1)
+    assert table.capacity("a") == 500 and table.size("a") == 20
+    assert table.match(confirmed, now=1) == {"a": 10, "b": 3}
+    assert table.match(guessed, now=1) == {"a": 10, "b": 0}
+    assert table.match(guessed, now=1000)["a"] == 0 and table.match(confirmed, now=1000)["a"] == 10  # TTL: guesses only
+    table.resize("a", 4, now=2)  # smaller than what it holds: keeps what fits
+    assert table.size("a") <= 4
+
+
 def test_removed_replica_disappears_from_matches():
     table = _table("a", "b")
     prompt = block_hashes(list(range(64)))
