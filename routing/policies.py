@@ -208,10 +208,11 @@ class CacheAware:
     and gets the strict bound); a cold prefix sent away from its cache is a miss there and a
     duplicate of its prefix evicting someone else's. The least loaded are always allowed.
 
-    Ties (a prefix nobody holds, on idle replicas) go to the replica whose cache is emptiest
-    (fewest blocks in the table for its capacity), then by rendezvous hash of the prompt's first
-    block, never by config order: new prefixes spread over the replicas, and each replica's
-    share of prefixes fits its cache (SGLang's "smallest tree" for a low match).
+    Ties (a prefix nobody holds, on idle replicas) go to the least loaded, then to the replica
+    whose cache is emptiest (fewest blocks in the table for its capacity), then by rendezvous
+    hash of the prompt's first block, never by config order: new prefixes spread over the
+    replicas, and each replica's share of prefixes fits its cache (SGLang's "smallest tree" for
+    a low match). A prefix's later requests then follow their cache.
 
     `choose` decides and counts the request in the load tracker; `commit(decision)` records
     the prompt's blocks as guessed on the chosen replica (approximate mode, learn_from_routing),
