@@ -44,6 +44,7 @@ class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     queue_weight: NonNegative = 1.0
     balance_factor: Annotated[float, Meta(ge=1)] = 1.25
     balance_slack: NonNegative = 0.0
+    follow_slack: NonNegative = 2.0
     min_match_blocks: Annotated[int, Meta(ge=0)] = 1
     learn_from_routing: bool = True
 
