@@ -92,7 +92,7 @@ replicas:
 def test_routing_policy_params_and_kv_events_decode():
     config = parse_config(ROUTING, "x.yaml")
     assert config.routing.policy_params() == {"prefill_weight": 1.0, "queue_weight": 1.0, "balance_factor": 1.25,
-                                              "balance_slack": 0.0, "min_match_blocks": 1,
+                                              "balance_slack": 0.0, "follow_slack": 2.0, "min_match_blocks": 1,
                                               "learn_from_routing": True}
     assert config.routing.policy_params("session_affinity")["fallback_params"] == {}  # least_load, no seed
     assert config.replicas[0].capacity_blocks == 512
