@@ -21,10 +21,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-SLOTS_PER_BUCKET = 8  # _lookup's shifts (>> 3, >> 4, & 7) assume 8: one 64-byte cache line of keys
+SLOTS_PER_BUCKET = 4  # 4 keys + their 4 `held` masks: one 64-byte line per bucket; shifts (>> 2, & 3) assume 4
+_LANE_BITS = 2
 MAX_REPLICAS = 64
 TICKS_PER_S = 100  # stamp resolution 10 ms; uint32 ticks wrap after ~497 days
-MAX_LOAD = 0.80    # table slots >= total capacity / MAX_LOAD: two-choice buckets rarely overflow
+MAX_LOAD = 0.60    # table slots >= total capacity / MAX_LOAD: two-choice 4-slot buckets rarely overflow
 
 _U64 = np.uint64
 _ONE = np.uint64(1)
@@ -32,6 +33,12 @@ _MIX_INT = 0x9E37_79B9_7F4A_7C15  # odd (2**64 / golden ratio): bucket mixing
 _MIX = np.uint64(_MIX_INT)
 _MASK64 = (1 << 64) - 1
 _SHIFT32 = np.uint64(32)
+_ZERO = np.uint64(0)
+
+
+def _cell(slot):
+    """(bucket, lane) of a flat slot index, to index the [buckets, 4] key and held views."""
+    return slot >> _LANE_BITS, slot & (SLOTS_PER_BUCKET - 1)
 
 
 class PrefixTableError(ValueError):
@@ -67,6 +74,7 @@ class PrefixTable:
         self._sizes: dict[str, int] = {}
         self._capacities: dict[str, int] = {}
         self._bits_memo: dict[tuple[str, ...], tuple[list[int], int]] = {}
+        self._guessing = 0  # bits of replicas that may hold guesses (set by guessed inserts)
         self._alloc(self._buckets_for(expected_blocks))
 
     # ---- replicas ---------------------------------------------------------------------
@@ -96,6 +104,7 @@ class PrefixTable:
         bit = self._index.pop(replica)
         self._bits_memo.clear()
         self._bits[bit] = None
+        self._guessing &= ~(1 << bit)
         del self._rings[replica], self._sizes[replica], self._capacities[replica]
 
     def resize(self, replica: str, capacity_blocks: int, now: float) -> None:
@@ -113,7 +122,7 @@ class PrefixTable:
                  else (ring.hand - 1 - np.arange(capacity)) % capacity)
         keys = as_block_keys(ring.hashes[order])
         pos, found = self._find(keys)
-        live = found & ((self._held[pos] & bit) != 0)
+        live = found & ((self._held[_cell(pos)] & bit) != 0)
         guessed = live & ((self._guessed[pos] & bit) != 0)
         keep_confirmed, keep_guessed = keys[live & ~guessed], keys[guessed]
         self.remove_replica(replica)
@@ -142,7 +151,7 @@ class PrefixTable:
 
     def memory_bytes(self) -> int:
         """Bytes held by the table's arrays (slots + rings); Python object overhead is constant."""
-        total = self._keys.nbytes + self._held.nbytes + self._guessed.nbytes + self._stamp.nbytes
+        total = self._lines.nbytes + self._guessed.nbytes + self._stamp.nbytes
         return total + sum(r.hashes.nbytes + r.seen.nbytes for r in self._rings.values())
 
     # ---- lookups ----------------------------------------------------------------------
@@ -169,7 +178,7 @@ class PrefixTable:
         n = keys.size
         if not want or n == 0 or not self._probe(int(keys[0]), now) & want:
             return [0] * len(bits)
-        prefix = np.bitwise_and.accumulate(self._held_per_key(keys, now))
+        prefix = np.bitwise_and.accumulate(self._held_per_key(keys, now, want))
         # prefix only loses bits along the prompt, so it changes value at most 64 times: a
         # short Python loop over those changes (not over blocks) turns them into lengths.
         ends = np.flatnonzero(prefix[1:] != prefix[:-1])
@@ -212,36 +221,40 @@ class PrefixTable:
         mixed = (key * _MIX_INT) & _MASK64
         nb = self._nb
         for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
-            base = ((half * nb) >> 32) * SLOTS_PER_BUCKET
-            lanes = self._keys[base:base + SLOTS_PER_BUCKET].tolist()
+            bucket = (half * nb) >> 32
+            row = self._lines[bucket].tolist()  # key, held, key, held, ...
+            lanes = row[0::2]
             if key in lanes:
-                slot = base + lanes.index(key)
-                held = int(self._held[slot])
+                lane = lanes.index(key)
+                slot = bucket * SLOTS_PER_BUCKET + lane
+                held = row[2 * lane + 1]
                 oldest_live = self._tick(now) - self.guess_ttl_ticks
                 if self.guess_ttl_ticks and oldest_live > 0 and int(self._stamp[slot]) < oldest_live:
                     held &= ~int(self._guessed[slot])
                 return held
         return 0
 
-    def _held_per_key(self, keys: np.ndarray, now: float) -> np.ndarray:
+    def _held_per_key(self, keys: np.ndarray, now: float, want: int) -> np.ndarray:
         """Replica bitmask of each key (0 where absent), guesses past their TTL removed.
 
-        ~15 numpy calls on arrays of the prompt's size: per-call overhead (~1 us) is most of the
-        cost, so every step is one call; no `out=` buffers (take into preallocated scratch
-        measured 2x slower here than allocating the small result)."""
+        ~11 numpy calls, each over one long 1-D array (per-call overhead, ~1 us, is most of the
+        cost; 2-D ops with 4- or 8-wide rows measured several times slower): one row gather of
+        both candidate buckets of every key brings keys and held masks together (one 64-byte
+        line per bucket), one compare of the gathered keys against each key repeated 8 times."""
         n = keys.size
         halves = (keys * _MIX).view(np.uint32) * self._nb_u64  # [2n]: both choices of every key
         halves >>= _SHIFT32
         buckets = halves.view(np.intp)
-        rows = self._keys2d.take(buckets, axis=0)  # [2n, 8]: one row gather, no probe loop
-        hits = (rows.reshape(n, 2 * SLOTS_PER_BUCKET) == keys[:, None]).ravel().nonzero()[0]
-        # hit h: key h // 16, bucket buckets[h // 8] (= 2 * key + choice), lane h % 8
-        pos = (buckets.take(hits >> 3) << 3) | (hits & 7)
-        found = self._held.take(pos)
-        if self.guess_ttl_ticks:
+        lanes = self._lines.take(buckets, axis=0).reshape(-1)  # [2n * 8]: key, held, key, held...
+        hits = (lanes[0::2] == keys.repeat(2 * SLOTS_PER_BUCKET)).nonzero()[0]
+        # hit h: key h // 8, bucket buckets[h // 4] (= 2 * key + choice), lane h % 4
+        found = lanes[1::2].take(hits)
+        which = hits >> (_LANE_BITS + 1)
+        if self.guess_ttl_ticks and self._guessing & want:  # no candidate ever guessed: nothing can expire
+            pos = (buckets.take(hits >> _LANE_BITS) << _LANE_BITS) | (hits & (SLOTS_PER_BUCKET - 1))
             found = self._drop_expired_guesses(found, pos, now)
         held = np.zeros(n, dtype=_U64)
-        held[hits >> 4] = found
+        held[which] = found
         return held
 
     def _drop_expired_guesses(self, found_held: np.ndarray, pos: np.ndarray, now: float) -> np.ndarray:
@@ -262,7 +275,7 @@ class PrefixTable:
         keys = as_block_keys(hashes)
         pos, found = self._find(keys)
         bit = _ONE << _U64(self._index[replica])
-        return found & ((self._held[pos] & bit) != 0)
+        return found & ((self._held[_cell(pos)] & bit) != 0)
 
     # ---- updates ----------------------------------------------------------------------
     def insert(self, replica: str, hashes, guessed: bool, now: float) -> None:
@@ -277,11 +290,14 @@ class PrefixTable:
         if keys.size > len(ring.hashes):  # more than fits: keep what fits (any subset is a valid cache state)
             keys = keys[:len(ring.hashes)]
         tick = self._tick(now)
+        if guessed:
+            self._guessing |= 1 << self._index[replica]
         pos, found = self._find(keys)
         # Existing slots: touch, and set the replica's bit where it was missing.
         fpos = pos[found]
-        was_held = (self._held[fpos] & bit) != 0
-        self._held[fpos] |= bit
+        fcell = _cell(fpos)
+        was_held = (self._held[fcell] & bit) != 0
+        self._held[fcell] |= bit
         if guessed:
             newly = fpos[~was_held]
             self._guessed[newly] |= bit
@@ -336,16 +352,21 @@ class PrefixTable:
         self._nb = buckets
         self._nb_u64 = _U64(buckets)
         n = buckets * SLOTS_PER_BUCKET
-        self._keys = np.zeros(n, dtype=_U64)
-        self._held = np.zeros(n, dtype=_U64)
-        self._guessed = np.zeros(n, dtype=_U64)
+        # One 64-byte row per bucket: key, held, key, held, ... so the lookup's one row gather
+        # brings both, and the gathered keys are one strided 1-D view (long numpy loops, not
+        # 4-wide ones). _keys and _held are [buckets, 4] views, indexed by _cell(slot).
+        self._lines = np.zeros((buckets, 2 * SLOTS_PER_BUCKET), dtype=_U64)
+        self._keys = self._lines[:, 0::2]
+        self._held = self._lines[:, 1::2]
+        self._guessed = np.zeros(n, dtype=_U64)  # flat, by slot: read only when a guess may expire
         self._stamp = np.zeros(n, dtype=np.uint32)
         self._lane = np.arange(SLOTS_PER_BUCKET, dtype=np.intp)
-        self._keys2d = self._keys.reshape(buckets, SLOTS_PER_BUCKET)
 
     def _grow(self, buckets: int) -> None:
-        live = np.flatnonzero(self._keys)
-        keys, held, guessed, stamp = (a[live] for a in (self._keys, self._held, self._guessed, self._stamp))
+        live = np.flatnonzero(self._keys)  # flat slot indices (C order of the [buckets, 4] view)
+        cell = _cell(live)
+        keys, held = self._keys[cell], self._held[cell]
+        guessed, stamp = self._guessed[live], self._stamp[live]
         self._alloc(buckets)
         self._place(keys, held, guessed, stamp)
 
@@ -367,11 +388,11 @@ class PrefixTable:
         A key sits in at most one slot; when both choices are the same bucket it shows up
         twice, with the same slot, which every caller tolerates."""
         buckets = self._buckets(keys).reshape(-1)
-        rows = self._keys.reshape(self._nb, SLOTS_PER_BUCKET).take(buckets, axis=0)
+        rows = self._lines.take(buckets, axis=0)[:, 0::2]  # take on the strided view would copy the table
         hits = np.flatnonzero(rows.reshape(keys.size, 2 * SLOTS_PER_BUCKET) == keys[:, None])
-        # hit h: key h // 16, bucket buckets[h // 8] (= 2 * key + choice), lane h % 8
-        pos = (buckets.take(hits >> 3) << 3) | (hits & 7)
-        return hits >> 4, pos
+        # hit h: key h // 8, bucket buckets[h // 4] (= 2 * key + choice), lane h % 4
+        pos = (buckets.take(hits >> 2) << 2) | (hits & 3)
+        return hits >> 3, pos
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Flat slot index and found flag per key (slot 0 where not found)."""
@@ -391,23 +412,24 @@ class PrefixTable:
             if pending.size == 0:
                 return
             first, second = self._buckets(keys[pending]).T
-            fill1 = (self._keys.reshape(self._nb, -1)[first] != 0).sum(axis=1)
-            fill2 = (self._keys.reshape(self._nb, -1)[second] != 0).sum(axis=1)
+            fill1 = (self._keys[first] != 0).sum(axis=1)
+            fill2 = (self._keys[second] != 0).sum(axis=1)
             prefer_first = fill1 <= fill2 if attempt == 0 else fill1 > fill2
             bucket = np.where(prefer_first, first, second)
             order = np.argsort(bucket, kind="stable")
             sb = bucket[order]
             group_start = np.flatnonzero(np.r_[True, sb[1:] != sb[:-1]])
             rank = np.arange(sb.size) - np.repeat(group_start, np.diff(np.r_[group_start, sb.size]))
-            free = self._keys.reshape(self._nb, -1)[sb] == 0
+            free = self._keys[sb] == 0
             free_rank = np.cumsum(free, axis=1)
             ok = free_rank[:, -1] > rank
             lane = np.argmax((free_rank == (rank + 1)[:, None]) & free, axis=1)
             slot = sb * SLOTS_PER_BUCKET + lane
             who = pending[order][ok]
             slot = slot[ok]
-            self._keys[slot] = keys[who]
-            self._held[slot] = held[who]
+            cell = _cell(slot)
+            self._keys[cell] = keys[who]
+            self._held[cell] = held[who]
             self._guessed[slot] = guessed[who]
             self._stamp[slot] = stamp[who]
             pending = np.sort(pending[order][~ok])
@@ -416,26 +438,28 @@ class PrefixTable:
             idx = np.r_[first * SLOTS_PER_BUCKET + self._lane, second * SLOTS_PER_BUCKET + self._lane]
             victim = idx[np.argmin(self._stamp[idx])]
             self._forget_slot(int(victim))
-            self._keys[victim], self._held[victim] = keys[i], held[i]
+            self._keys[_cell(victim)], self._held[_cell(victim)] = keys[i], held[i]
             self._guessed[victim], self._stamp[victim] = guessed[i], stamp[i]
 
     def _forget_slot(self, slot: int) -> None:
-        mask = int(self._held[slot])
+        cell = _cell(slot)
+        mask = int(self._held[cell])
         while mask:
             low = mask & -mask
             self._sizes[self._bits[low.bit_length() - 1]] -= 1
             mask ^= low
-        self._keys[slot] = self._held[slot] = self._guessed[slot] = 0
+        self._keys[cell] = self._held[cell] = self._guessed[slot] = 0
 
     def _drop_bit(self, replica: str, pos: np.ndarray) -> None:
         bit = _ONE << _U64(self._index[replica])
-        pos = np.unique(pos[(self._held[pos] & bit) != 0])
+        pos = np.unique(pos[(self._held[_cell(pos)] & bit) != 0])
         if pos.size == 0:
             return
-        self._held[pos] &= ~bit
+        cell = _cell(pos)
+        self._held[cell] &= ~bit
         self._guessed[pos] &= ~bit
-        emptied = pos[self._held[pos] == 0]
-        self._keys[emptied] = 0
+        emptied = pos[self._held[cell] == 0]
+        self._keys[_cell(emptied)] = 0
         self._sizes[replica] -= int(pos.size)
 
     def _ring_slots(self, replica: str, ring: _Ring, bit, need: int, tick: int, protect) -> np.ndarray:
@@ -454,7 +478,7 @@ class PrefixTable:
             window = (ring.hand + np.arange(min(capacity, max(2 * need, 64)))) % capacity
             hashes = ring.hashes[window]
             pos, found = self._find(as_block_keys(hashes))
-            live = found & ((self._held[pos] & bit) != 0)
+            live = found & ((self._held[_cell(pos)] & bit) != 0)
             recent = live & (self._stamp[pos] > ring.seen[window]) & (passes < 2)
             if passes < 3:  # never evict what is being inserted now (unless nothing else is left)
                 recent |= live & np.isin(hashes, protect)

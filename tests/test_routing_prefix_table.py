@@ -279,3 +279,23 @@ def test_block_hashes_are_the_same_for_list_array_and_numpy_token_ids():
         assert block_hashes(array("I", tokens), cache_salt=salt) == expected
         assert block_hashes(np.array(tokens, dtype=np.uint32), cache_salt=salt) == expected
         assert block_hashes(tuple(tokens), block_size=16, cache_salt=salt) == expected
+
+
+def test_full_table_loses_few_blocks_to_full_buckets_and_keeps_the_bound():
+    # 4-slot buckets, two choices, load <= MAX_LOAD: a key whose two buckets are both full evicts
+    # the least recently touched of their 8 entries (counted: size() drops with it).
+    replicas = [f"r{i}" for i in range(8)]
+    table = _table(*replicas, capacity=25_000)
+    rng = np.random.default_rng(3)
+    inserted = []
+    for i in range(400):  # 200k blocks: every replica exactly full
+        keys = rng.integers(1, 2**63, 500, dtype=np.uint64)
+        inserted.append(keys)
+        table.insert(replicas[i % 8], keys, guessed=False, now=i)
+    held = sum(table.size(r) for r in replicas)
+    assert 200_000 * 0.998 <= held <= 200_000
+    present = int(np.count_nonzero(table._keys))
+    assert present == held  # one replica per block here: every slot counted once
+    found = sum(int(table.holds(replicas[i % 8], keys).sum()) for i, keys in enumerate(inserted))
+    assert found == held
+    assert table.memory_bytes() / (8 * 25_000) <= 64
