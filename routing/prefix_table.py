@@ -184,7 +184,7 @@ class PrefixTable:
         ends = np.flatnonzero(prefix[1:] != prefix[:-1])
         length_by_bit: dict[int, int] = {}
         alive = int(prefix[0]) & want
-        for end, after in zip(ends.tolist(), prefix.take(ends + 1).tolist()):
+        for end, after in zip(ends.tolist(), prefix[1:].take(ends).tolist()):
             dropped = alive & ~after
             alive &= after
             while dropped:
