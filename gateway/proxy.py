@@ -237,34 +237,35 @@ class Proxy:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event leaves at once
-        finished = False
+        finished = False   # the replica's stream was read to its end
+        delivered = False  # [DONE] went out: the client has the whole answer
         try:
             await response.prepare(request)
             splitter = EventSplitter()
             try:
                 async for chunk in upstream.content.iter_any():
                     for raw_event in splitter.feed(chunk):
-                        out = self._on_event(raw_event, record, wants_token_ids, wants_usage)
-                        if record.first_token_s is not None and not ticket.started_decoding:
-                            self.router.first_token(ticket)
-                        if out is not None:
-                            await response.write(out)
+                        delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
+                                                            wants_usage) or delivered
                 for raw_event in splitter.flush():
-                    out = self._on_event(raw_event, record, wants_token_ids, wants_usage)
-                    if out is not None:
-                        await response.write(out)
+                    delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
+                                                        wants_usage) or delivered
                 finished = True
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     asyncio.TimeoutError) as exc:
                 # The replica went away mid-stream; the client already has a 200, so say it in-band.
                 record.error = f"upstream_disconnected: {type(exc).__name__}: {exc}"
-                self.pool.mark_down_named(record.replica, record.error)
+                self.pool.mark_down(self.pool.by_name[record.replica], record.error)
                 await response.write(event(error_body("The replica serving this request failed "
                                                        "mid-stream.", "upstream_error", None, 502)))
                 await response.write(DONE_EVENT)
             await response.write_eof()
-        except ConnectionResetError:  # includes aiohttp's ClientConnectionResetError on write
-            record.fail(499, "client_disconnected")
+        except (ConnectionResetError, asyncio.CancelledError) as exc:  # ConnectionReset: on write
+            # A client that hangs up right after [DONE] (the OpenAI SDK does) got everything.
+            if not delivered:
+                record.fail(499, "client_disconnected")
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
         finally:
             if finished:
                 upstream.release()
@@ -273,6 +274,15 @@ class Proxy:
         if record.completion_tokens is None:
             record.completion_tokens = len(record.output_token_ids)
         return response
+
+    async def _relay_event(self, response: web.StreamResponse, raw_event: bytes, record: RequestRecord,
+                           wants_token_ids: bool, wants_usage: bool) -> bool:
+        """Send one event on (if the client should see it); True when it was the closing [DONE]."""
+        out = self._on_event(raw_event, record, wants_token_ids, wants_usage)
+        if out is None:
+            return False
+        await response.write(out)
+        return out == DONE_EVENT
 
     def _on_event(self, raw_event: bytes, record: RequestRecord, wants_token_ids: bool,
                   wants_usage: bool) -> bytes | None:
