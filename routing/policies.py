@@ -20,8 +20,8 @@ from typing import Sequence
 
 import xxhash
 
-from routing.policy import RoutingDecision, RoutingState, register, require_candidates
-from routing.round_robin import RequestInfo, RoundRobin
+from routing.policy import RouteRequest, RoutingDecision, RoutingState, register, require_candidates
+from routing.round_robin import RoundRobin
 
 
 def _take(params: dict, policy: str, **defaults):
@@ -61,7 +61,7 @@ class LeastLoad:
         self.state = state
         self.random = random.Random(seed)
 
-    def choose(self, candidates: Sequence[str], request: RequestInfo) -> RoutingDecision:
+    def choose(self, candidates: Sequence[str], request: RouteRequest) -> RoutingDecision:
         require_candidates(candidates)
         now = self.state.clock()
         sample = list(candidates) if len(candidates) <= 2 else self.random.sample(list(candidates), 2)
@@ -102,7 +102,7 @@ class ConsistentHash:
             self._ring_for = key
         return self._points, self._owners
 
-    def routing_key(self, request: RequestInfo) -> tuple[int, str]:
+    def routing_key(self, request: RouteRequest) -> tuple[int, str]:
         session = getattr(request, "session_key", None)
         if session:
             return xxhash.xxh3_64_intdigest(session.encode()), "session key"
@@ -111,7 +111,7 @@ class ConsistentHash:
             return int(hashes[min(self.key_blocks, len(hashes)) - 1]), f"first {min(self.key_blocks, len(hashes))} blocks"
         return xxhash.xxh3_64_intdigest(repr(list(request.prompt_token_ids)).encode()), "short prompt"
 
-    def choose(self, candidates: Sequence[str], request: RequestInfo) -> RoutingDecision:
+    def choose(self, candidates: Sequence[str], request: RouteRequest) -> RoutingDecision:
         require_candidates(candidates)
         now = self.state.clock()
         points, owners = self._ring(candidates)
@@ -233,7 +233,7 @@ class CacheAware:
         self._name_hash: dict[str, int] = {}
         self._turn = 0  # rank rotation for prompts shorter than a block (no prefix key)
 
-    def choose(self, candidates: Sequence[str], request: RequestInfo) -> CacheAwareDecision:
+    def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
         require_candidates(candidates)
         state = self.state
         tracker = state.tracker
@@ -335,7 +335,7 @@ class SessionAffinity:
         self.balance_slack = balance_slack
         self.sticky: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
-    def choose(self, candidates: Sequence[str], request: RequestInfo) -> RoutingDecision:
+    def choose(self, candidates: Sequence[str], request: RouteRequest) -> RoutingDecision:
         require_candidates(candidates)
         key = getattr(request, "session_key", None)
         if not key:

@@ -9,15 +9,17 @@ from typing import Any, Callable, Sequence
 from routing.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from routing.load import LoadTracker
 from routing.prefix_table import PrefixTable
-from routing.round_robin import RequestInfo
 
 
 @dataclass(frozen=True)
-class RouteRequest(RequestInfo):
-    """RequestInfo plus what cache-aware policies read. `block_hashes`: the prompt's chained
-    block hashes (routing.hashing.block_hashes), computed once by the gateway and reused; if
-    empty they are computed here from prompt_token_ids. `session_key`: the `user` field or the
-    affinity header, if any."""
+class RouteRequest:
+    """What a policy may look at. `block_hashes`: the prompt's chained block hashes
+    (routing.hashing.block_hashes), computed once by the gateway and reused; if empty they are
+    computed here from prompt_token_ids. `session_key`: the `user` field or the affinity
+    header, if any."""
+    model: str
+    prompt_token_ids: Sequence[int] = ()
+    max_new_tokens: int | None = None
     block_hashes: Sequence[int] = ()
     session_key: str | None = None
     cache_salt: str | None = None
@@ -75,7 +77,7 @@ class RoutingState:
             self.tables[model].remove_replica(replica)
         self.tracker.remove_replica(replica)
 
-    def hashes(self, request: RequestInfo) -> Sequence[int]:
+    def hashes(self, request: RouteRequest) -> Sequence[int]:
         hashes = getattr(request, "block_hashes", ())
         if len(hashes) == 0 and request.prompt_token_ids:
             hashes = block_hashes(request.prompt_token_ids, self.block_size, getattr(request, "cache_salt", None))

@@ -193,5 +193,5 @@ def test_session_affinity_sticks_and_moves_when_its_replica_leaves():
 
 def test_round_robin_keeps_its_old_call_shape():
     policy = make_policy("round_robin")
-    from routing import RequestInfo
-    assert [policy.choose(["a", "b"], RequestInfo(model="m")).replica for _ in range(3)] == ["a", "b", "a"]
+    from routing import RouteRequest
+    assert [policy.choose(["a", "b"], RouteRequest(model="m")).replica for _ in range(3)] == ["a", "b", "a"]
