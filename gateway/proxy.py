@@ -197,7 +197,11 @@ class Proxy:
             payload = _decode_json(body)
         except msgspec.DecodeError:
             payload = body
-        return normalize_upstream_error(upstream.status, payload)
+        error = normalize_upstream_error(upstream.status, payload)
+        retry_after = upstream.headers.get("Retry-After", "")
+        if retry_after.isdigit():  # a replica's overload advice reaches the client (429/503)
+            error.retry_after_s = float(retry_after)
+        return error
 
     async def _relay_json(self, upstream: aiohttp.ClientResponse, record: RequestRecord,
                           reply_headers: dict, wants_token_ids: bool) -> web.Response:
