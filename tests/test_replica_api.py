@@ -337,6 +337,7 @@ def test_client_disconnect_mid_stream_aborts_the_sequence(client, replica):
     while metric(client, "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "sequence still running after client disconnect"
         time.sleep(0.02)
+    assert metric(client, "vllm:kv_cache_usage_perc") == 0.0  # its blocks went back to the pool
     generated = metric(client, "vllm:generation_tokens_total") - generated_before
     # The engine stopped long before max_tokens: the work was aborted, not just unobserved.
     assert generated < max_tokens / 2, generated
