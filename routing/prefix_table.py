@@ -1,12 +1,14 @@
 """Which replica holds (or probably holds) which prefix blocks: the cache-aware router's memory.
 
 One table per model pool. Layout, chosen for bytes per cached block and vectorised lookups:
-  - a bucketed hash table in flat numpy arrays: 8 slots per bucket, two candidate buckets
+  - a bucketed hash table in flat numpy arrays: 4 slots per bucket, two candidate buckets
     per key (the two 32-bit halves of the mixed 64-bit block hash), so a lookup is one gather
-    of 16 slots per prompt block and no probe loop; a whole prompt is matched in one pass.
-    Per slot: key (uint64, 0 = empty), `held` (uint64 bitmask of replicas holding the
-    block), `guessed` (bitmask: held only because we routed there, not confirmed by a KV
-    event), `stamp` (uint32 ticks of 10 ms: last time any replica inserted or touched it).
+    of 8 slots per prompt block and no probe loop; a whole prompt is matched in one pass.
+    Per slot: key (uint64, 0 = empty) and `held` (uint64 bitmask of replicas holding the
+    block), interleaved in one 64-byte row per bucket; then, packed in one 12-byte record per
+    slot (a second [buckets, 4] array the expiry check gathers row by row), `guessed`
+    (bitmask: held only because we routed there, not confirmed by a KV event) and `stamp`
+    (uint32 ticks of 10 ms: last time any replica inserted or touched it).
   - per replica a ring of its block hashes with a CLOCK hand (second chance: a block
     touched since the hand last passed it survives one more round) - the standard
     constant-memory approximation of LRU. The ring length is the replica's capacity in
@@ -34,6 +36,7 @@ _MIX = np.uint64(_MIX_INT)
 _MASK64 = (1 << 64) - 1
 _SHIFT32 = np.uint64(32)
 _ZERO = np.uint64(0)
+_GUESS_RECORD = np.dtype([("guessed", _U64), ("stamp", np.uint32)])  # packed: 12 bytes
 
 
 def _cell(slot):
@@ -181,7 +184,7 @@ class PrefixTable:
         prefix = np.bitwise_and.accumulate(self._held_per_key(keys, now, want))
         # prefix only loses bits along the prompt, so it changes value at most 64 times: a
         # short Python loop over those changes (not over blocks) turns them into lengths.
-        ends = np.flatnonzero(prefix[1:] != prefix[:-1])
+        ends = (prefix[1:] != prefix[:-1]).nonzero()[0]
         length_by_bit: dict[int, int] = {}
         alive = int(prefix[0]) & want
         for end, after in zip(ends.tolist(), prefix[1:].take(ends).tolist()):
@@ -251,24 +254,14 @@ class PrefixTable:
         found = lanes[1::2].take(hits)
         which = hits >> (_LANE_BITS + 1)
         if self.guess_ttl_ticks and self._guessing & want:  # no candidate ever guessed: nothing can expire
-            pos = (buckets.take(hits >> _LANE_BITS) << _LANE_BITS) | (hits & (SLOTS_PER_BUCKET - 1))
-            found = self._drop_expired_guesses(found, pos, now)
+            oldest_live = self._tick(now) - self.guess_ttl_ticks  # stamp < this: expired
+            if oldest_live > 0:
+                # The same rows' (guessed, stamp) records: hit h is record h of the gathered [2n, 4].
+                records = self._gs_rows.take(buckets, axis=0).reshape(-1).take(hits)
+                np.bitwise_and(found, ~records["guessed"], out=found, where=records["stamp"] < oldest_live)
         held = np.zeros(n, dtype=_U64)
         held[which] = found
         return held
-
-    def _drop_expired_guesses(self, found_held: np.ndarray, pos: np.ndarray, now: float) -> np.ndarray:
-        """Clear guessed bits of blocks last touched more than guess_ttl_s ago (vectorised)."""
-        oldest_live = self._tick(now) - self.guess_ttl_ticks  # stamp < this: expired
-        if oldest_live <= 0:
-            return found_held
-        guessed = self._guessed.take(pos)
-        if not guessed.any():  # only confirmed blocks (precise mode): nothing can expire
-            return found_held
-        expired = self._stamp.take(pos) < oldest_live
-        if not expired.any():
-            return found_held
-        return found_held & ~(guessed * expired)  # guessed bits of the expired blocks cleared
 
     def holds(self, replica: str, hashes) -> np.ndarray:
         """Per block: does the table record it for this replica (TTL not applied)."""
@@ -358,8 +351,15 @@ class PrefixTable:
         self._lines = np.zeros((buckets, 2 * SLOTS_PER_BUCKET), dtype=_U64)
         self._keys = self._lines[:, 0::2]
         self._held = self._lines[:, 1::2]
-        self._guessed = np.zeros(n, dtype=_U64)  # flat, by slot: read only when a guess may expire
-        self._stamp = np.zeros(n, dtype=np.uint32)
+        # Per slot, read only when a guess may expire: `guessed` and `stamp` packed side by side in
+        # one 12-byte record (no padding: the same bytes as two arrays), so the match's expiry
+        # check is one row gather of both choices' 4 records (aligned with the key lanes: a hit's
+        # index picks its record) instead of slot arithmetic and two gathers. _guessed and _stamp
+        # are flat [slots] views of the two fields.
+        self._gs = np.zeros(n, dtype=_GUESS_RECORD)
+        self._gs_rows = self._gs.reshape(buckets, SLOTS_PER_BUCKET)
+        self._guessed = self._gs["guessed"]
+        self._stamp = self._gs["stamp"]
         self._lane = np.arange(SLOTS_PER_BUCKET, dtype=np.intp)
 
     def _grow(self, buckets: int) -> None:
