@@ -11,7 +11,8 @@ import pytest
 import torch
 import zmq
 
-from protocol.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from protocol.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
+from tests.kv_index import replay_into_index
 from replica.loader import load_model
 from replica.model_runner import ModelRunner, greedy_generate
 from routing.hashing import ROOT_HASH, block_hashes
@@ -147,7 +148,7 @@ def test_small_pool_preempts_finishes_everything_and_events_rebuild_the_cache(ti
                 last = max(received, default=-1)
                 received.update(_replay(ctx, replay_endpoint, 0) if not received or
                                 sorted(received) != list(range(last + 1)) else {})
-                index = _apply(received)
+                index = replay_into_index(received)
                 if index == expected:
                     break
     finally:
@@ -163,16 +164,3 @@ def test_small_pool_preempts_finishes_everything_and_events_rebuild_the_cache(ti
         if isinstance(event, BlockStored):
             parent = ROOT_HASH if event.parent_block_hash is None else event.parent_block_hash
             assert block_hashes(event.token_ids, event.block_size, parent_hash=parent) == event.block_hashes
-
-
-def _apply(received: dict) -> set[int]:
-    index: set[int] = set()
-    for seq in sorted(received):
-        for event in received[seq].events:
-            if isinstance(event, BlockStored):
-                index.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                index.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                index.clear()
-    return index

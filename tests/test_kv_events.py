@@ -6,9 +6,10 @@ import pytest
 import zmq
 
 from replica.block_pool import BlockPool
-from protocol.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
+from protocol.kv_events import END_SEQ, decode_batch
 from replica.kv_events import KVEventPublisher
 from routing.hashing import block_hashes
+from tests.kv_index import replay_into_index
 
 
 def free_port() -> int:
@@ -75,15 +76,6 @@ def test_subscriber_rebuilds_cache_contents_and_replays_missed_batches(publisher
     received.update(replayed)
     assert sorted(received) == [0, 1, 2]
 
-    index = set()
-    for seq in sorted(received):
-        for event in received[seq].events:
-            if isinstance(event, BlockStored):
-                index.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                index.difference_update(event.block_hashes)
-            else:
-                index.clear()
-    assert index == pool.cached_hashes()
+    assert replay_into_index(received) == pool.cached_hashes()
     sub.close()
     req.close()
