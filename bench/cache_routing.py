@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from routing.hashing import block_hashes
-from tests.servers import free_port, run_process, run_replica
+from tests.servers import free_port, run_gateway, run_replica
 
 BLOCK = 16
 TINY_KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x 2 layers x 16 tokens x 2 kv heads x dim 16 x fp32
@@ -156,18 +155,7 @@ def run_policy(policy: str, s: Settings, requests, workdir: Path, keep_logs: str
         config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, level: {'info' if keep_logs else 'warning'}}}\n"
                           f"routing:\n  policy: {name}\n  scrape_interval_s: 0.5\n"
                           f"  cache_aware: {{balance_slack: {s.balance_slack}}}\nreplicas:\n{entries}")
-        gateway = stack.enter_context(run_process(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
-        deadline = time.monotonic() + 60
-        while True:  # every replica's tokenizer fetched (another process: poll, bounded)
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(gateway.url + "/health", timeout=2) as resp:
-                    if json.loads(resp.read()).get("all_ready"):
-                        break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gateway not ready:\n{gateway.logs()[-2000:]}")
-            time.sleep(0.1)
+        gateway = stack.enter_context(run_gateway(config, port))
         before = [(metric(r.url, "vllm:prefix_cache_hits_total"), metric(r.url, "vllm:prefix_cache_queries_total"),
                    metric(r.url, "vllm:request_success_total")) for r in replicas]
         ttfts, wall_s, failures = asyncio.run(replay(gateway.url, requests, s.max_tokens))

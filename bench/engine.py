@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -20,7 +20,8 @@ from typing import Sequence
 
 import xxhash
 
-from routing.policy import RouteRequest, RoutingDecision, RoutingState, register, require_candidates
+from routing.policy import (RouteRequest, RoutingDecision, RoutingState, decision_log, register,
+                            require_candidates)
 from routing.round_robin import RoundRobin
 
 
@@ -189,10 +190,7 @@ class CacheAwareDecision:
         return text + (f"; tie broken by {self._why}" if self._why else "")
 
     def as_log(self) -> dict:
-        return {"policy": self.policy, "reason": self.reason, "chosen": self.replica,
-                "candidates": list(self.candidates), "matched_blocks": self.matched_blocks,
-                "load": self.load, "scores": {k: round(v, 6) for k, v in self.scores.items()},
-                "predicted_cached_tokens": self.predicted_cached_tokens}
+        return decision_log(self)
 
 
 class CacheAware:

@@ -40,10 +40,15 @@ class RoutingDecision:
     inner: Any = None              # the wrapped policy's own decision (session_affinity's fallback)
 
     def as_log(self) -> dict:
-        return {"policy": self.policy, "reason": self.reason, "chosen": self.replica,
-                "candidates": list(self.candidates), "matched_blocks": self.matched_blocks,
-                "load": self.load, "scores": {k: round(v, 6) for k, v in self.scores.items()},
-                "predicted_cached_tokens": self.predicted_cached_tokens}
+        return decision_log(self)
+
+
+def decision_log(decision) -> dict:
+    """The `routing` field of a request record, for any decision with RoutingDecision's fields."""
+    return {"policy": decision.policy, "reason": decision.reason, "chosen": decision.replica,
+            "candidates": list(decision.candidates), "matched_blocks": decision.matched_blocks,
+            "load": decision.load, "scores": {k: round(v, 6) for k, v in decision.scores.items()},
+            "predicted_cached_tokens": decision.predicted_cached_tokens}
 
 
 class RoutingState:

@@ -12,6 +12,7 @@ full pipe; `logs()` reads it, and a server that dies or never gets healthy fails
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -118,3 +119,27 @@ def run_replica(model: str = "tiny", threads: int = 1, extra_args: Sequence[str]
     with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="replica",
                      startup_timeout_s=startup_timeout_s) as server:
         yield server
+
+
+def _all_replicas_ready(health_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as response:
+            return bool(json.loads(response.read()).get("all_ready"))
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def run_gateway(config_path: str | Path, port: int, *, ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
+    """`python -m gateway.cli serve --config FILE` on `port`; yields once every replica is ready
+    (its tokenizer fetched: /health says all_ready), not just once the gateway listens."""
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+    health_url = f"http://127.0.0.1:{port}/health"
+    with run_process(argv, health_url, port=port, name="gateway") as gateway:
+        deadline = time.monotonic() + ready_timeout_s
+        while not _all_replicas_ready(health_url):  # another process: poll, bounded
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"gateway replicas not ready after {ready_timeout_s:.0f}s:\n"
+                                       f"{gateway.logs()[-4000:]}")
+            time.sleep(HEALTH_POLL_S)
+        yield gateway

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
 import time
 
-import pytest
 
-from tests.servers import free_port, run_process, run_replica
+from tests.servers import free_port, run_gateway, run_replica
 from tests.test_gateway import Gateway, http, metric
 
 WAIT_S = 30.0
@@ -42,10 +40,7 @@ def cluster(tmp_path, routing: str, replicas: int = 2, kv_events: bool = False):
                 entries += f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{replay}'}}\n"
         config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 2}}\n"
                           f"logging: {{format: json}}\nrouting:\n{routing}replicas:\n{entries}")
-        server = stack.enter_context(run_process(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
-        poll(lambda: http("GET", server.url + "/health")[2].get("all_ready"), "replicas ready", server)
+        server = stack.enter_context(run_gateway(config, port))
         yield Gateway(server, started)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +15,7 @@ import uuid
 import openai
 import pytest
 
-from tests.servers import free_port, run_process, run_replica, stop_process
+from tests.servers import free_port, run_gateway, run_replica, stop_process
 
 LOG_WAIT_S = 10.0
 
@@ -88,13 +87,7 @@ def gateway(tmp_path_factory):
             "logging: {level: info, format: json, token_ids: full}\n"
             "routing: {policy: round_robin}\nreplicas:\n"
             + "".join(f"  - {{name: r{i}, url: '{r.url}', model: tiny}}\n" for i, r in enumerate(replicas)))
-        server = stack.enter_context(run_process(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
-        deadline = time.monotonic() + 30
-        while not http("GET", server.url + "/health")[2].get("all_ready"):  # both tokenizers fetched
-            assert time.monotonic() < deadline, server.logs()
-            time.sleep(0.05)
+        server = stack.enter_context(run_gateway(config, port))
         yield Gateway(server, replicas)
 
 
@@ -293,13 +286,7 @@ def test_unreachable_replica_is_retried_on_another_and_marked_down(tmp_path):
             f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 2}}\nlogging: {{format: json}}\n"
             f"replicas:\n  - {{name: doomed, url: '{doomed.url}', model: tiny}}\n"
             f"  - {{name: survivor, url: '{survivor.url}', model: tiny}}\n")
-        server = stack.enter_context(run_process(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
-        deadline = time.monotonic() + 30
-        while not http("GET", server.url + "/health")[2].get("all_ready"):
-            assert time.monotonic() < deadline, server.logs()
-            time.sleep(0.05)
+        server = stack.enter_context(run_gateway(config, port))
         gateway = Gateway(server, [doomed, survivor])
         stop_process(doomed.proc)  # dies while the gateway still believes it healthy
         ids = [rid() for _ in range(3)]

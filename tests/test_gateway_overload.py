@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -17,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from replica.tiny import tiny_checkpoint_dir
-from tests.servers import free_port, run_process
+from tests.servers import free_port, run_gateway
 
 
 @contextlib.contextmanager
@@ -70,8 +69,7 @@ def test_replica_overload_is_a_429_with_its_retry_after(tmp_path):
             f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
             f"routing: {{policy: round_robin}}\nreplicas:\n"
             f"  - {{name: busy-0, url: '{upstream}', model: busy, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
-        with run_process([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-                         f"http://127.0.0.1:{port}/health", port=port, name="gateway") as gateway:
+        with run_gateway(config, port) as gateway:
             request = urllib.request.Request(gateway.url + "/v1/completions", method="POST",
                                              data=b'{"model": "busy", "prompt": "hi", "max_tokens": 4}',
                                              headers={"content-type": "application/json"})

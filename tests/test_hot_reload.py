@@ -6,13 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import threading
 import time
 
 import openai
 
-from tests.servers import free_port, run_process, run_replica
+from tests.servers import free_port, run_gateway, run_replica
 from tests.test_cache_routing import poll
 from tests.test_gateway import Gateway, http
 
@@ -47,10 +45,7 @@ def test_reload_swaps_policy_and_replicas_without_dropping_a_stream_and_rejects_
         port = free_port()
         config = tmp_path / "gateway.yaml"
         write_config(config, port, {"r0": r0.url, "r1": r1.url}, "round_robin")
-        server = stack.enter_context(run_process(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
-            f"http://127.0.0.1:{port}/health", port=port, name="gateway"))
-        poll(lambda: http("GET", server.url + "/health")[2].get("all_ready"), "replicas ready", server)
+        server = stack.enter_context(run_gateway(config, port))
         gateway = Gateway(server, [r0, r1])
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
