@@ -39,7 +39,7 @@ def test_up_launches_replicas_serves_and_stops_them_on_sigterm(tmp_path):
         assert len(children) >= 2
         request = urllib.request.Request(
             f"http://127.0.0.1:{gateway_port}/v1/completions", method="POST",
-            data=json.dumps({"model": "tiny-served", "prompt": "hi", "max_tokens": 3}).encode(),
+            data=json.dumps({"model": "tiny-served", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}).encode(),
             headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=30) as response:
             answer = json.loads(response.read())

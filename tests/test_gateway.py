@@ -169,7 +169,7 @@ def test_stream_relays_every_token_and_records_them(gateway, endpoint):
 
 def test_stream_usage_is_relayed_when_the_client_asks(gateway):
     stream = gateway.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True,
-                                               stream_options={"include_usage": True})
+                                               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     usages = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert len(usages) == 1 and usages[0].completion_tokens == 3
 
@@ -292,6 +292,7 @@ def test_unreachable_replica_is_retried_on_another_and_marked_down(tmp_path):
         ids = [rid() for _ in range(3)]
         for request_id in ids:
             answer = gateway.client.completions.create(model="tiny", prompt="still there?", max_tokens=2,
+                                                       extra_body={"ignore_eos": True},
                                                        extra_headers={"x-request-id": request_id})
             assert answer.usage.completion_tokens == 2
         records = [gateway.record(request_id) for request_id in ids]
