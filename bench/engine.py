@@ -3,8 +3,12 @@ decode step time vs a memory-bandwidth roofline, resident memory under a burst.
 
     .venv/bin/python bench/engine.py [--model smollm2|tiny|DIR] [--threads 2] [--new-tokens 32]
 
-Everything is measured in one run on the same model and prompts; the memory figure comes from
-a real replica process (`python -m replica`) whose peak RSS (VmHWM) is read after a burst.
+Everything is measured in one run on the same model and prompts. The memory figure comes from a
+real replica process (`python -m replica`), measured first, while it is the only process of the
+run that maps torch (this one imports torch afterwards: pages of libtorch mapped by two processes
+are shared, neither can drop them, and each one's RSS counts them); its peak RSS is the kernel's
+high-water mark (VmHWM, reset once the replica is ready, so the load-time peak of weight
+conversion is not counted).
 Ends with `target <name>: <value> (goal <op> <n>) met|short` lines.
 """
 from __future__ import annotations
@@ -17,13 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from replica.engine import Engine  # noqa: E402
-from replica.loader import load_model  # noqa: E402
-from replica.sampler import SamplingParams  # noqa: E402
+# torch, replica.engine, replica.loader: imported in the functions that use them, after the memory
+# measurement (see the module docstring).
 
 
 def target(name: str, value: float, op: str, goal: float, unit: str = "") -> None:
@@ -33,6 +33,8 @@ def target(name: str, value: float, op: str, goal: float, unit: str = "") -> Non
 
 def measure_bandwidth_bytes_per_s(size_mb: int = 512, repeats: int = 5) -> float:
     """A large tensor copy: reads size + writes size bytes."""
+    import torch
+
     src = torch.ones(size_mb * (1 << 20) // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -44,8 +46,10 @@ def measure_bandwidth_bytes_per_s(size_mb: int = 512, repeats: int = 5) -> float
     return 2 * src.numel() * 4 / best
 
 
-async def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int):
+async def run_batch(engine, prompts: list[list[int]], max_tokens: int):
     """Submit all at once; returns (wall_s, tokens, per-request list of token arrival times)."""
+    from replica.sampler import SamplingParams
+
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
 
@@ -60,6 +64,7 @@ async def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int):
 
 
 def hf_tokens_per_s(loaded, prompts: list[list[int]], new_tokens: int) -> float:
+    import torch
     import transformers
 
     source = Path(loaded.source)
@@ -85,51 +90,62 @@ def _status_bytes(pid: int, field: str) -> int:
     return int(next(line for line in status.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
 
 
-def _rss_bytes(pid: int) -> int:
-    return _status_bytes(pid, "VmRSS")
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages split among the processes mapping them."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return int(next(line for line in rollup.splitlines() if line.startswith("Pss:")).split()[1]) * 1024
 
 
-def replica_peak_rss(model: str, kv_cache_gb: float, threads: int, burst: int, prompt_len: int,
-                     new_tokens: int, vocab: int) -> tuple[float, float, str]:
-    """Start a replica, send `burst` concurrent requests; its RSS before and the peak during the
-    burst (sampled every 20 ms; the load-time peak of weight conversion is not the serving state)."""
+def replica_memory(model: str, kv_cache_gb: float, burst: int = 64, prompt_len: int = 64,
+                   new_tokens: int = 16) -> dict:
+    """Start a replica, send `burst` concurrent requests of random token IDs; its RSS once ready,
+    its peak RSS during the burst, where the memory is after it, and what it says it holds."""
     import threading
+
     import httpx2 as httpx
 
     from tests.servers import run_replica
 
     rng = random.Random(7)
-    with run_replica(model, threads=threads, extra_args=["--kv-cache-gb", str(kv_cache_gb)],
+    with run_replica(model, threads=1, extra_args=["--kv-cache-gb", str(kv_cache_gb)],
                      startup_timeout_s=300) as replica:
-        def one(i):
-            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        info = httpx.get(replica.url + "/server_info", timeout=30).json()
+        vocab = info["vocab_size"]
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(burst)]
+
+        def one(prompt):
             r = httpx.post(replica.url + "/v1/completions", timeout=600,
                            json={"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
             return r.status_code
 
         pid = replica.proc.pid
-        before = _rss_bytes(pid)
-        peak = [before]
+        time.sleep(1.0)  # the replica releases its start-up pages right after its ready line
+        idle = _status_bytes(pid, "VmRSS")
+        try:  # 5 -> clear_refs resets VmHWM to the current RSS (Linux >= 4.0)
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+            exact = True
+        except OSError:
+            exact = False
+        sampled = [idle]
         done = threading.Event()
 
-        def sample():
+        def sample():  # fallback where VmHWM cannot be reset: RSS every 20 ms
             while not done.wait(0.02):
-                peak[0] = max(peak[0], _rss_bytes(pid))
+                sampled[0] = max(sampled[0], _status_bytes(pid, "VmRSS"))
 
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
             with ThreadPoolExecutor(burst) as pool:
-                codes = list(pool.map(one, range(burst)))
+                codes = list(pool.map(one, prompts))
         finally:
             done.set()
             sampler.join()
-        # Where the resident memory is: private (heap, weights, KV) vs file-backed pages of
-        # shared libraries (torch's .so files), which replicas on one host share.
-        anon, file_backed = _status_bytes(pid, "RssAnon"), _status_bytes(pid, "RssFile")
-        print(f"replica resident after the burst: {anon / 1e6:.0f} MB private (RssAnon) + "
-              f"{file_backed / 1e6:.0f} MB file-backed (RssFile, shared libraries)")
-    return float(before), float(peak[0]), f"{codes.count(200)}/{burst} ok"
+        peak = _status_bytes(pid, "VmHWM") if exact else sampled[0]
+        return {"idle": idle, "peak": peak, "peak_source": "VmHWM" if exact else "sampled every 20 ms",
+                "anon": _status_bytes(pid, "RssAnon"), "file": _status_bytes(pid, "RssFile"),
+                "pss": _pss_bytes(pid), "ok": f"{codes.count(200)}/{burst} ok",
+                "weight_bytes": info["weight_bytes"], "kv_cache_bytes": info["kv_cache_bytes"]}
 
 
 def main() -> None:
@@ -140,6 +156,13 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
+    memory = replica_memory(args.model, args.kv_cache_gb)  # first: see the module docstring
+
+    import torch
+
+    from replica.engine import Engine
+    from replica.loader import load_model
+
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     loaded = load_model(args.model)
@@ -195,13 +218,15 @@ def main() -> None:
         for concurrency in (1, 4, 16):
             print(f"  engine/HF at concurrency {concurrency}: {throughput[concurrency] / hf_tps:.2f}x")
 
-    model_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     kv_budget = args.kv_cache_gb * (1 << 30)
-    before, peak, ok = replica_peak_rss(args.model, args.kv_cache_gb, 1, 64, 64, 16, vocab)
-    allowed = kv_budget + model_bytes + 300e6
-    print(f"replica RSS idle {before / 1e6:.0f} MB, peak under a burst of 64 ({ok}): {peak / 1e6:.0f} MB; "
-          f"KV budget {kv_budget / 1e6:.0f} MB "
-          f"+ model {model_bytes / 1e6:.0f} MB + 300 MB = {allowed / 1e6:.0f} MB")
+    allowed = kv_budget + memory["weight_bytes"] + 300e6
+    print(f"replica (alone on the machine's torch pages), burst of 64 ({memory['ok']}): RSS idle "
+          f"{memory['idle'] / 1e6:.0f} MB, peak {memory['peak'] / 1e6:.0f} MB ({memory['peak_source']}); "
+          f"KV budget {kv_budget / 1e6:.0f} MB (allocated {memory['kv_cache_bytes'] / 1e6:.0f} MB) "
+          f"+ model {memory['weight_bytes'] / 1e6:.0f} MB + 300 MB = {allowed / 1e6:.0f} MB")
+    print(f"replica resident after the burst: {memory['anon'] / 1e6:.0f} MB private (RssAnon) + "
+          f"{memory['file'] / 1e6:.0f} MB file-backed (RssFile: shared libraries); PSS {memory['pss'] / 1e6:.0f} MB")
+    peak = memory["peak"]
 
     if hf_tps is not None:
         target("decode_speedup_16", throughput[16] / hf_tps, ">=", 5, "x")

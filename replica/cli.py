@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     log = structlog.get_logger("kvgate.replica")
 
+    from replica.memory import bound_heap_retention
+    bound_heap_retention()
     import torch  # only now: argument errors above answer without paying for torch's import
 
     torch.set_num_threads(args.threads)
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvgate replica: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
-    _return_freed_memory()
+    from replica.memory import return_freed_heap
+    return_freed_heap()
     log.info("model_loaded", model=loaded.name, source=loaded.source, max_model_len=loaded.max_model_len,
              dtype=args.dtype, threads=args.threads)
     try:
@@ -126,6 +129,10 @@ async def _serve(args, loaded, log) -> int:
         url = f"http://{host}:{port}"
         log.info("replica_ready", model=loaded.name, url=url, role=args.role)
         print(f"replica ready model={loaded.name} url={url}", flush=True)
+        from replica.memory import page_out_file_mappings
+        # Start-up is over: library pages touched only while importing and loading go back to the
+        # page cache (serving faults back the few it uses).
+        log.info("startup_pages_released", mapped_bytes_advised=page_out_file_mappings())
         await stop.wait()
         log.info("replica_stopping")
     finally:
@@ -136,17 +143,3 @@ async def _serve(args, loaded, log) -> int:
         # See gateway/server.py: join executor threads before uvloop closes the loop.
         await asyncio.get_running_loop().shutdown_default_executor()
     return 0
-
-
-def _return_freed_memory() -> None:
-    """Hand the loader's freed scratch (dequantized copies, unfused weights) back to the OS: glibc
-    keeps freed heap pages resident otherwise (~60 MB for SmolLM2's GGUF)."""
-    import ctypes
-    import ctypes.util
-
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return
-    trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)

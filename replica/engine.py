@@ -108,6 +108,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.dtype = dtype or next(model.parameters()).dtype
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, block_size, self.dtype, kv_cache_gb)
         self.runner = ModelRunner(model, config, num_blocks, block_size, self.dtype)

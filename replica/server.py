@@ -118,6 +118,8 @@ class ReplicaServer:
                               "max_running_requests": engine.scheduler.max_num_seqs,
                               "chunked_prefill_size": engine.scheduler.max_num_batched_tokens,
                               "disaggregation_mode": "null", "engine": "kvgate",
+                              "vocab_size": self.vocab_size, "weight_bytes": engine.weight_bytes,
+                              "kv_cache_bytes": engine.runner.kv_cache_bytes,
                               "num_requests_running": engine.num_running,
                               "num_requests_waiting": engine.num_waiting})
 
