@@ -15,6 +15,8 @@ past the guess TTL (the TTL check runs), tokenization excluded. Rows:
   expired guesses in table     the same decision after 3 other replicas guessed 200..500 of the
                                prompt's blocks, past their TTL: the match reads guess bits and stamps
                                and drops them
+  expired, numpy lookup         the row above through the numpy lookup (the C one not used): what an
+                               install without a C compiler gets
 A noise-floor row times a plain Python loop of the decision's median duration the same way: the
 machine's own p99 (scheduler, neighbours). The target line is the worst p99 of the in-target rows
 (uint64 array, both prompts, with and without guesses); the median line says what the code costs
@@ -35,6 +37,7 @@ import numpy as np
 
 from routing import RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
+from routing.prefix_table import _native as native
 from routing.prefix_table import as_block_keys
 
 REPLICAS = [f"r{i}" for i in range(16)]
@@ -175,10 +178,16 @@ def main() -> None:
     clock_now[0] += 2 * state.guess_ttl_s
     assert table.match(hashes, clock_now[0], ["r5", "r9", "r13", "r11"]) == {"r5": 0, "r9": 0, "r13": 0, "r11": 500}
     row("64..500-block matches", "expired guesses in table", True, timed_decisions(request, n))
+    if native is not None:  # the same decision through the numpy lookup, for comparison
+        table.native = False
+        row("64..500-block matches", "expired, numpy lookup", False, timed_decisions(request, n))
+        table.native = True
 
     print(f"prefix table: {cached:,} cached blocks on {len(REPLICAS)} replicas; arrays {table.memory_bytes():,} B, "
           f"tracemalloc {traced:,} B")
     print(f"measurement: {applied}")
+    print("prefix lookup: " + ("C (routing/_prefix_match.c)" if native is not None
+                               else "numpy (routing/_prefix_match.c not built: no C compiler at install)"))
     print(f"{'prompt (8k tokens, 500 blk)':<28}{'mode':<30}{'includes hashing':<18}{'in target':<11}"
           f"{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}")
     for label, mode, in_target, p50, p99, p999 in rows:

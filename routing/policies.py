@@ -291,17 +291,14 @@ class CacheAware:
         if prefix_key is None:  # a prompt shorter than a block: rotate
             self._turn += 1
             prefix_key = self._turn
-        name_hash = self._name_hash
-        best_rank, chosen = _MASK64 + 1, narrowed[0]
-        for i in narrowed:
-            name = candidates[i]
-            h = name_hash.get(name)
-            if h is None:
-                h = name_hash[name] = xxhash.xxh3_64_intdigest(name.encode())
-            rank = ((h ^ prefix_key) * _MIX64) & _MASK64
-            if rank < best_rank:
-                best_rank, chosen = rank, i
-        return chosen, "prefix hash"
+        get, learn = self._name_hash.get, self._hash_name
+        ranks = [(((get(candidates[i]) or learn(candidates[i])) ^ prefix_key) * _MIX64) & _MASK64
+                 for i in narrowed]
+        return narrowed[ranks.index(min(ranks))], "prefix hash"
+
+    def _hash_name(self, name: str) -> int:
+        h = self._name_hash[name] = xxhash.xxh3_64_intdigest(name.encode())
+        return h
 
     def commit(self, decision: CacheAwareDecision) -> None:
         """Approximate mode: the chosen replica will hold the prompt's blocks (a guess, corrected

@@ -23,6 +23,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+try:  # the lookup loop in C, compiled by `pip install` where a C compiler is found (optional)
+    from routing import _prefix_match as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
 SLOTS_PER_BUCKET = 4  # 4 keys + their 4 `held` masks: one 64-byte line per bucket; shifts (>> 2, & 3) assume 4
 _LANE_BITS = 2
 MAX_REPLICAS = 64
@@ -68,6 +73,8 @@ class _Ring:
 
 
 class PrefixTable:
+    native = True  # use routing/_prefix_match.c when built; False: the numpy path (tests compare)
+
     def __init__(self, expected_blocks: int = 1 << 16, guess_ttl_s: float = 300.0, clock=None) -> None:
         self.guess_ttl_ticks = int(guess_ttl_s * TICKS_PER_S)
         self._t0: float | None = None
@@ -76,7 +83,7 @@ class PrefixTable:
         self._rings: dict[str, _Ring] = {}
         self._sizes: dict[str, int] = {}
         self._capacities: dict[str, int] = {}
-        self._bits_memo: dict[tuple[str, ...], tuple[list[int], int]] = {}
+        self._bits_memo: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
         self._guessing = 0  # bits of replicas that may hold guesses (set by guessed inserts)
         self._alloc(self._buckets_for(expected_blocks))
 
@@ -166,18 +173,32 @@ class PrefixTable:
     def match_lengths(self, hashes, now: float, candidates: Sequence[str]) -> list[int]:
         """Matched prefix length in blocks of each candidate, in the candidates' order.
 
-        Block 0 first, as one scalar probe: a prompt nobody holds (a new prefix) ends there.
-        Otherwise one vectorised pass over all the prompt's blocks (~25 numpy calls, no
-        per-block Python): gather both candidate buckets of every block,
-        find the keys, take each block's replica bitmask (0 when absent, guesses past their TTL
-        removed), AND-accumulate along the prompt; a replica's match ends where its bit first
-        drops (chain property). Cost is linear in the prompt's blocks, independent of the table's
-        size. `hashes`: pass a uint64 array (a list costs a conversion, ~20 us for 500 blocks)."""
+        Per prompt block: its replica bitmask (0 when absent, guesses past their TTL removed),
+        AND-accumulated along the prompt; a replica's match ends where its bit first drops (chain
+        property). Cost is linear in the prompt's blocks, independent of the table's size, and
+        stops once no candidate is left. One C call (routing/_prefix_match.c) where it was built,
+        else the numpy path (`_match_numpy`, the reference; same answers).
+        `hashes`: pass a uint64 array (a list costs a conversion, ~20 us for 500 blocks)."""
         bits, want = self._candidate_bits(candidates)
         # A uint64 array is used as is (no scan for zeros, ~1.5 us): a 0 in a lookup finds only
         # empty slots, whose bitmask is 0, so a block hashed to exactly 0 (odds 2**-64) reads as
         # absent instead of matching the 1 it was stored as.
         keys = hashes if isinstance(hashes, np.ndarray) and hashes.dtype == _U64 else as_block_keys(hashes)
+        if self.native and _native is not None:
+            return _native.match_lengths(self._lines, self._gs, keys, want, self._oldest_live(now, want), bits)
+        return self._match_numpy(keys, now, bits, want)
+
+    def _oldest_live(self, now: float, want: int) -> int:
+        """Stamps below this are expired guesses; 0 when none can be (no TTL, or no candidate
+        ever guessed, or the table younger than the TTL)."""
+        if not self.guess_ttl_ticks or not self._guessing & want:
+            return 0
+        return max(self._tick(now) - self.guess_ttl_ticks, 0)
+
+    def _match_numpy(self, keys: np.ndarray, now: float, bits: tuple[int, ...], want: int) -> list[int]:
+        """match_lengths in numpy. Block 0 first, as one scalar probe: a prompt nobody holds (a
+        new prefix) ends there. Otherwise one vectorised pass over all the prompt's blocks (~25
+        numpy calls, no per-block Python)."""
         n = keys.size
         if not want or n == 0 or not self._probe(int(keys[0]), now) & want:
             return [0] * len(bits)
@@ -203,13 +224,13 @@ class PrefixTable:
         get = length_by_bit.get
         return [get(bit, 0) for bit in bits]
 
-    def _candidate_bits(self, candidates: Sequence[str]) -> tuple[list[int], int]:
+    def _candidate_bits(self, candidates: Sequence[str]) -> tuple[tuple[int, ...], int]:
         """Each candidate's bit (-1: unknown) and the bitmask of them all, memoised per candidate
         list (the pool rarely changes; add/remove_replica clear the memo)."""
         key = tuple(candidates)
         memo = self._bits_memo.get(key)
         if memo is None:
-            bits = [self._index.get(name, -1) for name in key]
+            bits = tuple([self._index.get(name, -1) for name in key])
             want = 0
             for bit in bits:
                 if bit >= 0:
@@ -253,12 +274,11 @@ class PrefixTable:
         # hit h: key h // 8, bucket buckets[h // 4] (= 2 * key + choice), lane h % 4
         found = lanes[1::2].take(hits)
         which = hits >> (_LANE_BITS + 1)
-        if self.guess_ttl_ticks and self._guessing & want:  # no candidate ever guessed: nothing can expire
-            oldest_live = self._tick(now) - self.guess_ttl_ticks  # stamp < this: expired
-            if oldest_live > 0:
-                # The same rows' (guessed, stamp) records: hit h is record h of the gathered [2n, 4].
-                records = self._gs_rows.take(buckets, axis=0).reshape(-1).take(hits)
-                np.bitwise_and(found, ~records["guessed"], out=found, where=records["stamp"] < oldest_live)
+        oldest_live = self._oldest_live(now, want)  # stamp < this: expired
+        if oldest_live:
+            # The same rows' (guessed, stamp) records: hit h is record h of the gathered [2n, 4].
+            records = self._gs_rows.take(buckets, axis=0).reshape(-1).take(hits)
+            np.bitwise_and(found, ~records["guessed"], out=found, where=records["stamp"] < oldest_live)
         held = np.zeros(n, dtype=_U64)
         held[which] = found
         return held

@@ -1,10 +1,13 @@
 """Prefix table and KV event index: matches, bounds, eviction, TTL, precise mode (pure, no sockets)."""
+import shutil
 import time
 import tracemalloc
 from types import SimpleNamespace as NS
 
 import numpy as np
+import pytest
 
+from routing import prefix_table
 from routing.hashing import block_hashes
 from routing.kv_event_index import KVEventIndex
 from routing.prefix_table import PrefixTable
@@ -222,10 +225,24 @@ class _ReferenceTable:
             assert table.size(name) == len(held) <= table.capacity(name)
 
 
-def test_vectorised_match_equals_reference_through_evictions_and_ttl():
+LOOKUPS = [pytest.param(False, id="numpy"),
+           pytest.param(True, id="C", marks=pytest.mark.skipif(prefix_table._native is None,
+                                                              reason="routing/_prefix_match.c not built"))]
+
+
+def test_the_c_lookup_is_built_where_a_compiler_is():
+    """`pip install` compiles routing/_prefix_match.c when it can (optional: numpy serves without)."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    assert prefix_table._native is not None
+
+
+@pytest.mark.parametrize("native", LOOKUPS)
+def test_match_equals_reference_through_evictions_and_ttl(native):
     rng = np.random.default_rng(7)
     replicas = ["a", "b", "c", "d"]
     table = _table(*replicas, capacity=48, ttl=3.0)  # ~24 buckets: ring and bucket evictions both happen
+    table.native = native
     ref = _ReferenceTable(replicas, ttl_ticks=300)
     # Prompts share prefixes: 6 documents, each prompt a document's first L blocks + a random tail.
     documents = [rng.integers(0, 50, 16 * 30).tolist() for _ in range(6)]
