@@ -6,9 +6,11 @@ Three kinds of pages stay resident after start-up although serving never reads t
   - pages of shared libraries touched only while starting: importing torch alone faults in
     ~135 MB of libtorch_cpu.so (static initializers registering every operator). They are clean
     file-backed pages, so MADV_PAGEOUT drops them at no risk (the kernel would drop them under
-    pressure anyway); the ones serving uses fault back in from the page cache on first use
-    (minor faults, a few ms spread over the first requests). Pages a process has written
-    (relocations, globals) are anonymous copies: PAGEOUT leaves them alone without swap.
+    pressure anyway); the ~35 MB that serving uses fault back in on first use (read back from
+    disk if the page cache let them go: tens of ms, spread over the first requests). Pages a
+    process has written (relocations, globals) are anonymous copies: PAGEOUT leaves them alone
+    without swap. Pages another process maps too (a second replica on the host) are shared
+    and stay: each process's RSS counts them, its PSS splits them.
   - freed activations: glibc's mmap threshold starts at 128 KB and rises (to 32 MB) each time a
     large block is freed, after which step-sized tensors (logits of a 64-sequence batch: 12 MB)
     come from the heap and stay resident, fragmented, after the step. A fixed 1 MB threshold

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gzip
 import time
 import uuid
 
@@ -64,7 +65,8 @@ class ReplicaServer:
         self.vocab_size = vocab_size
         self.created = int(time.time())
         self.metrics = ReplicaMetrics(model_name, engine)
-        self._tokenizer_payload = tokenizer.to_payload()
+        # Kept gzipped (2.2 MB -> 0.6 MB for SmolLM2): fetched once per gateway start, resident always.
+        self._tokenizer_payload_gz = gzip.compress(tokenizer.to_payload(), 6)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[request_ids, openai_errors], client_max_size=64 << 20)
@@ -124,7 +126,10 @@ class ReplicaServer:
                               "num_requests_waiting": engine.num_waiting})
 
     async def tokenizer_payload(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._tokenizer_payload, content_type="application/json")
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(body=self._tokenizer_payload_gz, content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        return web.Response(body=gzip.decompress(self._tokenizer_payload_gz), content_type="application/json")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read(), type=TokenizeRequest)

@@ -227,7 +227,11 @@ def test_models_lists_the_served_model(client):
 def test_tokenizer_payload_is_served(client, tiny):
     from tokenization.bundle import TokenizerBundle
 
-    bundle = TokenizerBundle.from_payload(client.get("/kvgate/tokenizer").content)
+    gzipped = client.get("/kvgate/tokenizer")  # httpx asks for gzip and inflates it
+    assert gzipped.headers["content-encoding"] == "gzip"
+    plain = client.get("/kvgate/tokenizer", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.content == gzipped.content
+    bundle = TokenizerBundle.from_payload(plain.content)
     assert bundle.encode("Hello, world!") == tiny.tokenizer.encode("Hello, world!")
 
 
