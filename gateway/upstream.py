@@ -3,6 +3,7 @@ has learned (health, served models, max_model_len, tokenizer), refreshed in the 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 
 import aiohttp
@@ -185,9 +186,11 @@ class ReplicaPool:
                     raise RuntimeError(f"GET /kvgate/tokenizer answered HTTP {resp.status}; set `tokenizer:` "
                                        f"for replicas that are not kvgate's own")
                 payload = await resp.read()
+                gzipped = resp.headers.get("Content-Encoding", "").lower() == "gzip"  # the session does not inflate
             started = time.perf_counter()
             loop = asyncio.get_running_loop()
-            replica.tokenizer = await loop.run_in_executor(None, TokenizerBundle.from_payload, payload)
+            replica.tokenizer = await loop.run_in_executor(
+                None, TokenizerBundle.from_payload, gzip.decompress(payload) if gzipped else payload)
             log.info("tokenizer_loaded", replica=replica.name, source="replica",
                      load_ms=round((time.perf_counter() - started) * 1000, 1))
         replica.healthy = True
