@@ -141,8 +141,8 @@ def _consistent_hash(params: dict, state: RoutingState):
     return ConsistentHash(state, **values)
 
 
-_MIX64 = 0x9E37_79B9_7F4A_7C15  # odd multiplier: rendezvous ranks from (replica hash ^ prefix key)
-_MASK64 = (1 << 64) - 1
+_MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
+_MASK32 = (1 << 32) - 1
 
 
 class CacheAwareDecision:
@@ -264,7 +264,8 @@ class CacheAware:
                        if load <= bound or (matched[i] >= min_match and load <= follow_cap
                                             and not tracker.running_prefix(candidates[i], prefix_key))]
             best_score = min([scores[i] for i in allowed])
-        tied = [i for i in allowed if scores[i] == best_score]
+        tied = (list(allowed) if max(scores) == best_score and len(allowed) == len(scores)
+                else [i for i in allowed if scores[i] == best_score])
         why = ""
         chosen = tied[0]
         if len(tied) > 1:
@@ -277,27 +278,36 @@ class CacheAware:
 
     def _break_tie(self, candidates, tied: list[int], loads, table, prefix_key) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
-        hash of the prefix key (a new prefix lands on a stable, spread-out replica). Each step
-        narrows the list in one comprehension (~0.2 us a candidate)."""
-        low = min([loads[i] for i in tied])
-        narrowed = [i for i in tied if loads[i] == low]
-        if len(narrowed) == 1:
-            return narrowed[0], "least load"
-        fills = table.fills([candidates[i] for i in narrowed])
-        low = min(fills)
-        tied, narrowed = narrowed, [i for i, fill in zip(narrowed, fills) if fill == low]
-        if len(narrowed) == 1:
-            return narrowed[0], "emptiest cache"
+        hash of the prefix key (a new prefix lands on a stable, spread-out replica). A step whose
+        values are all equal (the common case: an idle pool) costs a min and a max, no list."""
+        everyone = len(tied) == len(candidates)  # then tied is range(len(candidates)) in order
+        values = loads if everyone else [loads[i] for i in tied]
+        low = min(values)
+        if max(values) != low:
+            tied = [i for i, load in zip(tied, values) if load == low]
+            if len(tied) == 1:
+                return tied[0], "least load"
+            everyone = False
+        names = candidates if everyone else [candidates[i] for i in tied]
+        values = table.fills(names)
+        low = min(values)
+        if max(values) != low:
+            tied = [i for i, fill in zip(tied, values) if fill == low]
+            if len(tied) == 1:
+                return tied[0], "emptiest cache"
+            names = [candidates[i] for i in tied]
         if prefix_key is None:  # a prompt shorter than a block: rotate
             self._turn += 1
             prefix_key = self._turn
+        # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
+        # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
+        key = prefix_key & _MASK32
         get, learn = self._name_hash.get, self._hash_name
-        ranks = [(((get(candidates[i]) or learn(candidates[i])) ^ prefix_key) * _MIX64) & _MASK64
-                 for i in narrowed]
-        return narrowed[ranks.index(min(ranks))], "prefix hash"
+        ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
+        return tied[ranks.index(min(ranks))], "prefix hash"
 
     def _hash_name(self, name: str) -> int:
-        h = self._name_hash[name] = xxhash.xxh3_64_intdigest(name.encode())
+        h = self._name_hash[name] = xxhash.xxh32_intdigest(name.encode()) or 1
         return h
 
     def commit(self, decision: CacheAwareDecision) -> None:
