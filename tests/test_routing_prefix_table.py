@@ -106,12 +106,15 @@ def test_memory_stays_under_bound_through_1m_random_inserts():
 
 
 def test_lookup_cost_grows_with_prompt_blocks_not_table_size():
-    def per_call(table, prompt):
+    def per_call(table, prompt):  # the best of 7 rounds: a preemption by a neighbour inflates one round only
         table.match(prompt, now=0)
-        started = time.perf_counter()
-        for _ in range(50):
-            table.match(prompt, now=0)
-        return (time.perf_counter() - started) / 50
+        rounds = []
+        for _ in range(7):
+            started = time.perf_counter()
+            for _ in range(20):
+                table.match(prompt, now=0)
+            rounds.append((time.perf_counter() - started) / 20)
+        return min(rounds)
     small, big = _table("a", capacity=1_000), _table("a", capacity=400_000)
     rng = np.random.default_rng(2)
     for _ in range(800):
