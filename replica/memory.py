@@ -15,7 +15,8 @@ Three kinds of pages stay resident after start-up although serving never reads t
     large block is freed, after which step-sized tensors (logits of a 64-sequence batch: 12 MB)
     come from the heap and stay resident, fragmented, after the step. A fixed 1 MB threshold
     keeps every large tensor in its own mapping, returned to the OS when freed (one mmap and
-    its page faults per large tensor: well under 1% of a step's time).
+    its page faults per large tensor: an interleaved A/B of SmolLM2 batch-64 decode steps,
+    1 MB vs 32 MB threshold, measured 186 vs 188 ms median, i.e. no cost above noise).
 """
 from __future__ import annotations
 
