@@ -85,15 +85,11 @@ def hf_tokens_per_s(loaded, prompts: list[list[int]], new_tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def _status_bytes(pid: int, field: str) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
-
-
-def _pss_bytes(pid: int) -> int:
-    """Proportional set size: shared pages split among the processes mapping them."""
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    return int(next(line for line in rollup.splitlines() if line.startswith("Pss:")).split()[1]) * 1024
+def _proc_bytes(pid: int, field: str, file: str = "status") -> int:
+    """A `Field:  N kB` line of /proc/PID/status (or smaps_rollup, for Pss: shared pages split
+    among the processes mapping them), in bytes."""
+    text = Path(f"/proc/{pid}/{file}").read_text()
+    return int(next(line for line in text.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
 
 
 def replica_memory(model: str, kv_cache_gb: float, burst: int = 64, prompt_len: int = 64,
@@ -120,7 +116,7 @@ def replica_memory(model: str, kv_cache_gb: float, burst: int = 64, prompt_len: 
 
         pid = replica.proc.pid
         time.sleep(1.0)  # the replica releases its start-up pages right after its ready line
-        idle = _status_bytes(pid, "VmRSS")
+        idle = _proc_bytes(pid, "VmRSS")
         try:  # 5 -> clear_refs resets VmHWM to the current RSS (Linux >= 4.0)
             Path(f"/proc/{pid}/clear_refs").write_text("5")
             exact = True
@@ -131,7 +127,7 @@ def replica_memory(model: str, kv_cache_gb: float, burst: int = 64, prompt_len: 
 
         def sample():  # fallback where VmHWM cannot be reset: RSS every 20 ms
             while not done.wait(0.02):
-                sampled[0] = max(sampled[0], _status_bytes(pid, "VmRSS"))
+                sampled[0] = max(sampled[0], _proc_bytes(pid, "VmRSS"))
 
         sampler = threading.Thread(target=sample)
         sampler.start()
@@ -141,10 +137,10 @@ def replica_memory(model: str, kv_cache_gb: float, burst: int = 64, prompt_len: 
         finally:
             done.set()
             sampler.join()
-        peak = _status_bytes(pid, "VmHWM") if exact else sampled[0]
+        peak = _proc_bytes(pid, "VmHWM") if exact else sampled[0]
         return {"idle": idle, "peak": peak, "peak_source": "VmHWM" if exact else "sampled every 20 ms",
-                "anon": _status_bytes(pid, "RssAnon"), "file": _status_bytes(pid, "RssFile"),
-                "pss": _pss_bytes(pid), "ok": f"{codes.count(200)}/{burst} ok",
+                "anon": _proc_bytes(pid, "RssAnon"), "file": _proc_bytes(pid, "RssFile"),
+                "pss": _proc_bytes(pid, "Pss", "smaps_rollup"), "ok": f"{codes.count(200)}/{burst} ok",
                 "weight_bytes": info["weight_bytes"], "kv_cache_bytes": info["kv_cache_bytes"]}
 
 
@@ -200,7 +196,7 @@ def main() -> None:
         steps = 64
         _, _, times, _ = asyncio.run(run_batch(engine, [prompts[0]], steps + 1))
         step_s = (times[0][-1] - times[0][0]) / steps
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        weight_bytes = engine.weight_bytes
         cfg = loaded.config
         mean_context = len(prompts[0]) + steps // 2
         kv_bytes = 2 * cfg.num_hidden_layers * mean_context * cfg.num_key_value_heads * cfg.head_dim * 4

@@ -9,6 +9,8 @@ import sys
 
 import structlog
 
+from replica.memory import bound_heap_retention, page_out_file_mappings, return_freed_heap
+
 ROLES = ("mixed", "prefill", "decode")
 IMPLEMENTED_ROLES = ("mixed",)
 SHUTDOWN_GRACE_S = 5.0
@@ -58,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     log = structlog.get_logger("kvgate.replica")
 
-    from replica.memory import bound_heap_retention
     bound_heap_retention()
     import torch  # only now: argument errors above answer without paying for torch's import
 
@@ -75,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvgate replica: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
-    from replica.memory import return_freed_heap
     return_freed_heap()
     log.info("model_loaded", model=loaded.name, source=loaded.source, max_model_len=loaded.max_model_len,
              dtype=args.dtype, threads=args.threads)
@@ -129,7 +129,6 @@ async def _serve(args, loaded, log) -> int:
         url = f"http://{host}:{port}"
         log.info("replica_ready", model=loaded.name, url=url, role=args.role)
         print(f"replica ready model={loaded.name} url={url}", flush=True)
-        from replica.memory import page_out_file_mappings
         # Start-up is over: library pages touched only while importing and loading go back to the
         # page cache (serving faults back the few it uses).
         log.info("startup_pages_released", mapped_bytes_advised=page_out_file_mappings())

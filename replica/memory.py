@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
 MADV_PAGEOUT = 21  # linux/mman-common.h, Linux >= 5.4
 
 
+@functools.cache
 def _libc():
-    name = ctypes.util.find_library("c")
+    name = ctypes.util.find_library("c")  # runs ldconfig: once per process
     return ctypes.CDLL(name, use_errno=True) if name else None
 
 

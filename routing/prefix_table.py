@@ -200,9 +200,10 @@ class PrefixTable:
         new prefix) ends there. Otherwise one vectorised pass over all the prompt's blocks (~25
         numpy calls, no per-block Python)."""
         n = keys.size
-        if not want or n == 0 or not self._probe(int(keys[0]), now) & want:
+        oldest_live = self._oldest_live(now, want)
+        if not want or n == 0 or not self._probe(int(keys[0]), oldest_live) & want:
             return [0] * len(bits)
-        prefix = np.bitwise_and.accumulate(self._held_per_key(keys, now, want))
+        prefix = np.bitwise_and.accumulate(self._held_per_key(keys, oldest_live))
         # prefix only loses bits along the prompt, so it changes value at most 64 times: a
         # short Python loop over those changes (not over blocks) turns them into lengths.
         ends = (prefix[1:] != prefix[:-1]).nonzero()[0]
@@ -240,8 +241,9 @@ class PrefixTable:
             memo = self._bits_memo[key] = (bits, want)
         return memo
 
-    def _probe(self, key: int, now: float) -> int:
-        """One block's replica bitmask (guesses past their TTL removed), in scalar Python."""
+    def _probe(self, key: int, oldest_live: int) -> int:
+        """One block's replica bitmask (guesses stamped before `oldest_live` removed; 0: none
+        expire), in scalar Python."""
         mixed = (key * _MIX_INT) & _MASK64
         nb = self._nb
         for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
@@ -252,14 +254,14 @@ class PrefixTable:
                 lane = lanes.index(key)
                 slot = bucket * SLOTS_PER_BUCKET + lane
                 held = row[2 * lane + 1]
-                oldest_live = self._tick(now) - self.guess_ttl_ticks
-                if self.guess_ttl_ticks and oldest_live > 0 and int(self._stamp[slot]) < oldest_live:
+                if oldest_live and int(self._stamp[slot]) < oldest_live:
                     held &= ~int(self._guessed[slot])
                 return held
         return 0
 
-    def _held_per_key(self, keys: np.ndarray, now: float, want: int) -> np.ndarray:
-        """Replica bitmask of each key (0 where absent), guesses past their TTL removed.
+    def _held_per_key(self, keys: np.ndarray, oldest_live: int) -> np.ndarray:
+        """Replica bitmask of each key (0 where absent), guesses stamped before `oldest_live`
+        removed (0: none expire).
 
         ~11 numpy calls, each over one long 1-D array (per-call overhead, ~1 us, is most of the
         cost; 2-D ops with 4- or 8-wide rows measured several times slower): one row gather of
@@ -274,7 +276,6 @@ class PrefixTable:
         # hit h: key h // 8, bucket buckets[h // 4] (= 2 * key + choice), lane h % 4
         found = lanes[1::2].take(hits)
         which = hits >> (_LANE_BITS + 1)
-        oldest_live = self._oldest_live(now, want)  # stamp < this: expired
         if oldest_live:
             # The same rows' (guessed, stamp) records: hit h is record h of the gathered [2n, 4].
             records = self._gs_rows.take(buckets, axis=0).reshape(-1).take(hits)

@@ -10,8 +10,15 @@ from tests.servers import REPO_ROOT
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc and madvise")
 
 
+STATUS_KB = """
+def status_kb(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+"""
+
+
 def _run(code: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True,
+    """Run `code` in a fresh interpreter (status_kb(field) defined); its printed words."""
+    out = subprocess.run([sys.executable, "-c", STATUS_KB + textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
@@ -26,14 +33,12 @@ def test_start_up_file_pages_are_released_and_torch_still_works(tmp_path):
     before, after, result = _run(f"""
         import mmap
         from replica.memory import page_out_file_mappings
-        def rss_file():
-            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssFile:"))
         with open({str(data)!r}, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         assert sum(mapped[i + 1] for i in range(0, len(mapped), 4096)) > 0  # fault every page in
-        before = rss_file()
+        before = status_kb("RssFile")
         page_out_file_mappings()
-        after = rss_file()
+        after = status_kb("RssFile")
         import torch
         page_out_file_mappings()
         x = torch.arange(12.0).reshape(3, 4)
@@ -49,13 +54,11 @@ def test_large_freed_tensors_leave_the_heap():
         from replica.memory import bound_heap_retention
         assert bound_heap_retention()
         import torch
-        def rss_anon():
-            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:"))
-        base = rss_anon()
+        base = status_kb("RssAnon")
         for _ in range(3):  # glibc would raise its threshold after the first free and reuse the heap
             logits = torch.ones(64, 49152)  # one 64-sequence step's logits, 12.6 MB
-            grown = rss_anon() - base
+            grown = status_kb("RssAnon") - base
             del logits
-        print(grown, rss_anon() - base)
+        print(grown, status_kb("RssAnon") - base)
     """)
     assert int(grown) > 10_000 and int(kept) < 2_000, (grown, kept)  # kB
