@@ -12,9 +12,9 @@ the same schedule is replayed; printed per policy:
   - TTFT p50/p99 (client side, streams) and throughput
 and once: the oracle hit rate, one LRU cache of the summed size replaying the same arrival order.
 
-    python -m bench.cache_routing            # 32 groups x 16, 1,024 + 64 tokens, 8 out, 10 req/s: ~4 min
-    python -m bench.cache_routing --quick    # 8 groups x 8: ~1.5 min (too few requests for stable figures)
-    python -m bench.cache_routing --policies cache_aware,cache_aware_approx   # precise vs approximate
+    .venv/bin/python -m bench.cache_routing            # 32 groups x 16, 1,024 + 64 tokens, 8 out, 10 req/s: ~4 min
+    .venv/bin/python -m bench.cache_routing --quick    # 8 groups x 8: ~1.5 min (too few requests for stable figures)
+    .venv/bin/python -m bench.cache_routing --policies cache_aware,cache_aware_approx   # precise vs approximate
 """
 from __future__ import annotations
 

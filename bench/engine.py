@@ -1,7 +1,7 @@
 """Serving-engine benchmark: batched decode throughput vs HF transformers, prefix-cache TTFT,
 decode step time vs a memory-bandwidth roofline, resident memory under a burst.
 
-    .venv/bin/python bench/engine.py [--model smollm2|tiny|DIR] [--threads 2] [--new-tokens 32]
+    .venv/bin/python -m bench.engine [--model smollm2|tiny|DIR] [--threads 2] [--new-tokens 32]
 
 Everything is measured in one run on the same model and prompts. The memory figure comes from a
 real replica process (`python -m replica`), measured first, while it is the only process of the
@@ -21,7 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # torch, replica.engine, replica.loader: imported in the functions that use them, after the memory
 # measurement (see the module docstring).
 

@@ -10,7 +10,7 @@ with its real JSON request logging on (to a file). The load generator runs in it
 3. Gateway CPU per request at saturation: closed loop, fixed count, CPU time of the gateway process
    (and any children) from /proc/<pid>/stat divided by the requests served.
 
-    python -m bench.gateway_overhead [--quick]
+    .venv/bin/python -m bench.gateway_overhead [--quick]
 
 Ends with `figure <name>: <value>` lines (this step has no goals yet).
 """

@@ -8,7 +8,7 @@ Every request records its latency, time to first body byte (streams), status and
 benchmark runs the generator in its own process (`LoadgenProcess`) so the client's CPU never
 shares an event loop, or a GIL, with the server it measures.
 
-    python -m bench.loadgen --url http://127.0.0.1:8000 --rate 200 --duration-s 10 [--stream]
+    .venv/bin/python -m bench.loadgen --url http://127.0.0.1:8000 --rate 200 --duration-s 10 [--stream]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Routing decision time and prefix-table memory: an 8,000-token prompt, 16 replicas, 1M cached blocks.
 
-Run: .venv/bin/python bench/routing_micro.py [--iterations N]
+Run: .venv/bin/python -m bench.routing_micro [--iterations N]
 Decision = cache_aware.choose (table match + load + score + balance guard + decision record),
 timed with perf_counter_ns around choose() alone (the request object is built before), on a clock
 past the guess TTL (the TTL check runs), tokenization excluded. Rows:

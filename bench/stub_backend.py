@@ -6,7 +6,7 @@ vLLM's shapes (`return_token_ids`, streamed usage with `prompt_tokens_details.ca
 /kvgate/tokenizer), and every answer is deterministic: the output token IDs depend only on
 the prompt's token IDs. A request gets `--output-tokens` tokens, or `max_tokens` if smaller.
 
-    python -m bench.stub_backend --port 8101 [--model stub] [--output-tokens 16]
+    .venv/bin/python -m bench.stub_backend --port 8101 [--model stub] [--output-tokens 16]
 
 It prints `stub listening on http://HOST:PORT` once it accepts connections (`--port 0`: any free port).
 """

@@ -114,3 +114,23 @@ def test_loadgen_open_loop_records_every_request(stub):
     assert len(result.results) == 19  # evenly spaced, t < 0.4 s
     assert all(r.status == 200 and r.ttfb_s is not None and r.ttfb_s <= r.latency_s for r in result.results)
     assert summary(result)["errors"] == 0
+
+
+def test_every_bench_script_runs_the_way_the_readmes_show():
+    """README.md and bench/README.md show one way to run a bench (`python -m bench.NAME`); every
+    script under bench/ is documented that way and answers `--help` when run so."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "README.md").read_text() + (root / "bench" / "README.md").read_text()
+    assert not re.search(r"python3? bench/[a-z_]+\.py", docs), "a README runs a bench script by its path"
+    shown = set(re.findall(r"python -m bench\.(\w+)", docs))
+    scripts = {p.stem for p in (root / "bench").glob("*.py") if "__main__" in p.read_text()}
+    assert scripts and scripts <= shown, f"not shown as `python -m bench.NAME`: {sorted(scripts - shown)}"
+    for name in sorted(scripts):
+        done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], cwd=root,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "usage" in done.stdout.lower(), (name, done.stderr[-500:])
