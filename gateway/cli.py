@@ -1,7 +1,8 @@
-"""`kvgate` command line: up | serve | replica | check-config.
+"""`kvgate` command line: up | serve | replica | check-config | tail.
 
 Each subcommand imports what it needs when it runs: `kvgate replica` is the only one that loads
-torch (through `replica.cli`), so the gateway process stays torch-free."""
+torch (through `replica.cli`), so the gateway process stays torch-free, and `kvgate tail` loads
+neither aiohttp nor the gateway."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gateway alone in front of the replicas in a config")
     serve.add_argument("--config", required=True, help="routing YAML")
     sub.add_parser("replica", help="run one built-in replica (see `kvgate replica --help`)", add_help=False)
+    sub.add_parser("tail", help="follow the JSON request log, one readable line per request "
+                                "(see `kvgate tail --help`)", add_help=False)
     check = sub.add_parser("check-config", help="validate a routing YAML file")
     check.add_argument("file")
     return parser
@@ -33,13 +36,45 @@ def _load(path: str | Path):
     """The config, or an exit code after printing why not (same message for every subcommand)."""
     from gateway.config import ConfigError, load_config
     try:
-        return load_config(path)
+        config = load_config(path)
     except FileNotFoundError:
         print(f"error: {path}: no such file", file=sys.stderr)
         return EXIT_MISSING_FILE
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    log_file = config.logging.file_path()
+    if log_file is not None:
+        from observability.logs import log_file_problem
+        if problem := log_file_problem(log_file):
+            print(f"error: {path}:{_key_line(path, ['logging', 'file'])}: logging.file: {problem}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+    return config
+
+
+def _key_line(path: str | Path, key: list) -> int:
+    """The line of `key` in a config file that has already parsed (for checks made outside it)."""
+    import yaml
+    from gateway.config import _line_of
+    return _line_of(yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader), key)
+
+
+def _start_logging(config) -> bool:
+    """structlog as the config says, plus the JSON log file if it names one; False (after saying
+    why) if that file cannot be opened."""
+    from observability.logs import LogFile, configure_logging
+    log_file = None
+    path = config.logging.file_path()
+    if path is not None:
+        try:
+            log_file = LogFile(path, max_bytes=int(config.logging.file_max_mb * 1024 * 1024),
+                               keep=config.logging.file_keep)
+        except OSError as exc:
+            print(f"error: logging.file: cannot open {path}: {exc.strerror or exc}", file=sys.stderr)
+            return False
+        print(f"kvgate: JSON log in {path} (follow it with: kvgate tail {path})", file=sys.stderr, flush=True)
+    configure_logging(config.logging.level, config.logging.format, log_file=log_file)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "replica":
         from replica.cli import main as replica_main  # torch loads here, and only here
         return replica_main(argv[1:])
+    if argv and argv[0] == "tail":
+        from observability.tail import main as tail_main
+        return tail_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         config = _load(args.file)
@@ -67,8 +105,8 @@ def _serve(path: str) -> int:
     if isinstance(config, int):
         return config
     from gateway.server import print_ready, run
-    from observability.logs import configure_logging
-    configure_logging(config.logging.level, config.logging.format)
+    if not _start_logging(config):
+        return EXIT_BAD_CONFIG
     return run(config, on_ready=print_ready(config), config_path=path)
 
 
@@ -78,8 +116,8 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
         return config
     from gateway.launcher import LaunchError, Launcher
     from gateway.server import print_ready, run
-    from observability.logs import configure_logging
-    configure_logging(config.logging.level, config.logging.format)
+    if not _start_logging(config):
+        return EXIT_BAD_CONFIG
     launcher = Launcher(config)
 
     def interrupt(_signum, _frame):  # SIGTERM while replicas load: same orderly stop as Ctrl-C

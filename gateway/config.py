@@ -32,6 +32,14 @@ class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
     token_ids: Literal["full", "hashed", "off"] = "full"
+    file: Annotated[str, Meta(min_length=1)] | None = None  # JSON lines here too; None: terminal only
+    file_max_mb: Annotated[float, Meta(ge=0)] = 100.0       # rotate beyond this; 0: never
+    file_keep: Annotated[int, Meta(ge=0, le=1000)] = 5      # rotated files kept: FILE.1 (newest) .. FILE.N
+
+    def file_path(self) -> Path | None:
+        """`file` as an absolute path; a relative one is taken from the directory kvgate starts in
+        (where a user then runs `kvgate tail FILE`), not from the config file's directory."""
+        return None if self.file is None else Path(self.file).expanduser().absolute()
 
 
 PositiveInt = Annotated[int, Meta(ge=1)]

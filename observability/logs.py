@@ -1,8 +1,13 @@
-"""structlog setup: JSON lines on stdout for machines, a console renderer when a human is watching."""
+"""structlog setup: JSON lines on stdout for machines, a console renderer when a human is watching,
+and optionally every event as a JSON line in a size-capped, rotated log file as well."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -22,9 +27,123 @@ def _json_line(_logger, _method, event_dict) -> bytes:
     return _encoder.encode(head)
 
 
-def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream=None) -> None:
+class LogFile:
+    """Appends JSON lines to `path`, rotating it at `max_bytes` (path -> path.1 -> ... -> path.keep).
+
+    One unbuffered write() per line: another process (`kvgate tail`) sees each line at once, a
+    crash loses none, and no fsync (the page cache is enough for a log). Appends across restarts.
+    A write that fails (disk full) drops the line and says so once on stderr: logging never
+    fails a request. Meant for one writing process per file."""
+
+    def __init__(self, path: str | Path, max_bytes: int = 0, keep: int = 5) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes  # 0: never rotate
+        self.keep = keep
+        self._lock = threading.Lock()  # tokenizer threads may log too; rotation must not interleave
+        self._warned = False
+        self._file = open(self.path, "ab", buffering=0)  # OSError here: the caller reports it at start
+        self._size = os.fstat(self._file.fileno()).st_size
+
+    def write_line(self, line: bytes) -> None:
+        data = line + b"\n"
+        with self._lock:
+            try:
+                if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
+                    self._rotate()
+                view = memoryview(data)
+                while view:  # a regular file takes it in one call; the loop is for the odd short write
+                    view = view[self._file.write(view):]
+                self._size += len(data)
+            except OSError as exc:
+                self._warn(f"cannot write to {self.path}: {exc}; log lines are being dropped")
+
+    def _rotate(self) -> None:
+        self._file.close()
+        try:
+            if self.keep:
+                for index in range(self.keep - 1, 0, -1):
+                    older = self.path.with_name(f"{self.path.name}.{index}")
+                    if older.exists():
+                        os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as exc:
+            self.max_bytes = 0  # rotation cannot work here: keep appending rather than lose lines
+            self._warn(f"cannot rotate {self.path}: {exc}; appending without a size cap")
+        self._file = open(self.path, "ab", buffering=0)
+        self._size = os.fstat(self._file.fileno()).st_size
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            print(f"kvgate: {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def log_file_problem(path: Path) -> str | None:
+    """Why a log file cannot be opened at `path` (checked before starting anything), or None."""
+    if path.is_dir():
+        return f"{path} is a directory; name a file in it"
+    if not path.parent.is_dir():
+        return f"directory {path.parent} does not exist"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{path} is not writable"
+    return None
+
+
+class _JsonToFile:
+    """Final processor in JSON mode: encode once, write the line to the file, hand it to stdout."""
+
+    def __init__(self, log_file: LogFile) -> None:
+        self.log_file = log_file
+
+    def __call__(self, logger, method, event_dict) -> bytes:
+        line = _json_line(logger, method, event_dict)
+        self.log_file.write_line(line)
+        return line
+
+
+class _TeeToFile:
+    """Processor before the console renderer: the file still gets the event as a JSON line."""
+
+    def __init__(self, log_file: LogFile) -> None:
+        self.log_file = log_file
+
+    def __call__(self, logger, method, event_dict):
+        # A copy: the console renderer needs exc_info, which format_exc_info would consume.
+        as_json = structlog.processors.format_exc_info(logger, method, dict(event_dict))
+        self.log_file.write_line(_json_line(logger, method, as_json))
+        return event_dict
+
+
+class _StdlibToFile(logging.Handler):
+    """aiohttp's and asyncio's own log records (errors, tracebacks) as JSON lines in the file too."""
+
+    def __init__(self, log_file: LogFile, level: int) -> None:
+        super().__init__(level)
+        self.log_file = log_file
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = {"event": record.getMessage(), "level": record.levelname.lower(),
+                      "timestamp": datetime.fromtimestamp(record.created, timezone.utc)
+                      .isoformat().replace("+00:00", "Z"), "logger": record.name}
+            if record.exc_info:
+                fields["exception"] = logging.Formatter().formatException(record.exc_info)
+            self.log_file.write_line(_encoder.encode(fields))
+        except Exception:  # a log record that cannot be rendered must not take the server down
+            self.handleError(record)
+
+
+def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream=None,
+                      log_file: LogFile | None = None) -> None:
     """One JSON object per line ({event, level, timestamp ISO-8601 UTC, ...}) on stdout, or
-    structlog's console renderer when fmt is "console" (or "auto" and stdout is a terminal)."""
+    structlog's console renderer when fmt is "console" (or "auto" and stdout is a terminal).
+    With `log_file`, every event also goes there as a JSON line, whatever the terminal shows."""
     stream = stream or sys.stdout
     level_no = _LEVELS.get(level.lower())
     if level_no is None:
@@ -39,13 +158,17 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream=None)
         structlog.processors.StackInfoRenderer(),
     ]
     if console:
-        processors = shared + [structlog.dev.ConsoleRenderer()]
+        tee = [_TeeToFile(log_file)] if log_file is not None else []
+        processors = shared + tee + [structlog.dev.ConsoleRenderer()]
         factory = structlog.PrintLoggerFactory(file=stream)
     else:
-        processors = shared + [structlog.processors.format_exc_info, _json_line]
+        last = _JsonToFile(log_file) if log_file is not None else _json_line
+        processors = shared + [structlog.processors.format_exc_info, last]
         factory = structlog.BytesLoggerFactory(file=stream.buffer)
     structlog.configure(processors=processors,
                         wrapper_class=structlog.make_filtering_bound_logger(level_no),
                         logger_factory=factory, cache_logger_on_first_use=False)
     # Libraries that log through the stdlib (aiohttp, asyncio) go to stderr at the same level.
     logging.basicConfig(level=level_no, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if log_file is not None:
+        logging.getLogger().addHandler(_StdlibToFile(log_file, level_no))

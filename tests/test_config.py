@@ -167,3 +167,32 @@ def test_gateway_and_routing_import_no_torch_or_aiohttp_in_routing():
     code = "import sys, routing, routing.round_robin; assert 'aiohttp' not in sys.modules and 'torch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_logging_file_keys_default_off_and_resolve_against_the_working_directory(monkeypatch, tmp_path):
+    config = parse_config(GOOD, "x.yaml")
+    assert (config.logging.file, config.logging.file_max_mb, config.logging.file_keep) == (None, 100.0, 5)
+    assert config.logging.file_path() is None
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(GOOD.replace("token_ids: full}", "token_ids: full, file: logs/gw.jsonl, file_keep: 0}"))
+    assert config.logging.file_path() == tmp_path / "logs" / "gw.jsonl" and config.logging.file_keep == 0
+    shipped = load_config(REPO_ROOT / "configs" / "local.yaml")
+    assert shipped.logging.file == "kvgate-requests.jsonl"
+
+
+@pytest.mark.parametrize("new,expected", [
+    ("file: ''", "x.yaml:4: logging.file: expected str of length >= 1"),
+    ("file_max_mb: -1", "x.yaml:4: logging.file_max_mb: expected float >= 0"),
+    ("file_keep: many", "x.yaml:4: logging.file_keep: expected int, got str"),
+])
+def test_bad_logging_file_value_names_key_and_line(new, expected):
+    assert error_of(GOOD.replace("token_ids: full}", f"token_ids: full, {new}}}")).startswith(expected)
+
+
+def test_check_config_refuses_a_log_file_in_a_missing_directory(tmp_path):
+    config = tmp_path / "gw.yaml"
+    config.write_text(GOOD.replace("logging: {level: info, format: json, token_ids: full}",
+                                   f"logging:\n  level: info\n  file: {tmp_path}/nope/gw.jsonl"))
+    result = kvgate("check-config", str(config))
+    assert result.returncode == 1, result.stdout
+    assert f"{config}:6: logging.file: directory {tmp_path}/nope does not exist" in result.stderr
