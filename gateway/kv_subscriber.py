@@ -124,7 +124,7 @@ class KVEventSubscriber:
                 if self.index is None:
                     continue
                 self.retry_s = RETRY_S
-            batch = decode_batch(payload)
+            batch = decode_batch(payload)  # vLLM 0.33.0's form, or an older one (protocol/kv_events.py)
             gap_from = self.index.apply(seq, batch, self.router.state.clock())
             self.metrics.kv_event_batches.labels(replica=self.replica).inc()
             if gap_from is not None:
@@ -159,6 +159,8 @@ class KVEventSubscriber:
             while True:
                 if await dealer.poll(REPLAY_TIMEOUT_S * 1000) == 0:
                     raise TimeoutError(f"replay endpoint {self.spec.replay_endpoint} silent for {REPLAY_TIMEOUT_S} s")
+                # [b"", topic, seq, payload] from vLLM 0.33.0 (and us), [b"", seq, payload] from
+                # older vLLM; the end marker is [b"", b"", END_SEQ, b""] or [b"", END_SEQ, b""].
                 frames = await dealer.recv_multipart()
                 seq = decode_seq(frames[-2])
                 if frames[-2] == END_SEQ:

@@ -26,6 +26,7 @@ class StoredEvent:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    cache_salt: str | None = None  # the salt hashed into the first block (vLLM's extra_keys)
 
 
 @dataclass
@@ -114,17 +115,18 @@ class BlockPool:
         return out
 
     def commit(self, block_id: int, block_hash: int, parent_hash: int | None,
-               token_ids: list[int]) -> int:
+               token_ids: list[int], cache_salt: str | None = None) -> int:
         """Register a just-filled block in the prefix cache. If another block already holds the
         same hash (two sequences computed it concurrently) the existing one stays canonical and
-        this block stays private; returns the block ID that is cached under the hash."""
+        this block stays private; returns the block ID that is cached under the hash.
+        `cache_salt`: the salt hashed into this block (a sequence's first block), for the event."""
         existing = self._cached.get(block_hash)
         if existing is not None:
             return existing
         block = self._blocks[block_id]
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
-        self.events.append(StoredEvent([block_hash], parent_hash, list(token_ids), self.block_size))
+        self.events.append(StoredEvent([block_hash], parent_hash, list(token_ids), self.block_size, cache_salt))
         return block_id
 
     def release(self, block_ids: list[int]) -> None:

@@ -1,5 +1,6 @@
-"""The replica's KV event publisher (DESIGN contract 2): block-pool events go out over ZMQ in
-vLLM's wire shape (protocol/kv_events.py holds the structs and the framing)."""
+"""The replica's KV event publisher (DESIGN contract 2): block-pool events go out over ZMQ as
+vLLM 0.33.0's engine publishes them (protocol/kv_events.py holds the structs and the framing):
+the fields its block pool sets, with the values it sets for a request without LoRA or images."""
 from __future__ import annotations
 
 import threading
@@ -8,17 +9,28 @@ from collections import deque
 
 import zmq
 
-from protocol.kv_events import (DEFAULT_TOPIC, END_SEQ, AllBlocksCleared, BlockRemoved,
+from protocol.kv_events import (DEFAULT_TOPIC, END_SEQ, MEDIUM_GPU, AllBlocksCleared, BlockRemoved,
                                 BlockStored, KVEventBatch, encode_batch, encode_seq)
 from replica.block_pool import ClearedEvent, RemovedEvent, StoredEvent
+
+
+GROUP_IDX = 0  # one KV cache group (full attention), as vLLM numbers it
+DATA_PARALLEL_RANK = 0  # vLLM's publisher stamps its rank on every batch
 
 
 def to_wire(event) -> BlockStored | BlockRemoved | AllBlocksCleared:
     """Block-pool event (plain dataclass) -> wire struct."""
     if isinstance(event, StoredEvent):
-        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
+        # vLLM sends one extra_keys entry per block, None when a block has none; the
+        # cache_salt belongs to the first block of a sequence (parent None) only.
+        extra_keys: list[tuple | None] = [None] * len(event.block_hashes)
+        if event.cache_salt and event.parent_block_hash is None:
+            extra_keys[0] = (event.cache_salt,)
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                           lora_id=None, medium=MEDIUM_GPU, lora_name=None, extra_keys=extra_keys,
+                           group_idx=GROUP_IDX)
     if isinstance(event, RemovedEvent):
-        return BlockRemoved(event.block_hashes)
+        return BlockRemoved(event.block_hashes, medium=MEDIUM_GPU, group_idx=GROUP_IDX)
     if isinstance(event, ClearedEvent):
         return AllBlocksCleared()
     raise TypeError(f"not a KV event: {event!r}")
@@ -52,7 +64,8 @@ class KVEventPublisher:
     def publish(self, events: list) -> None:
         if not events:
             return
-        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events])
+        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events],
+                             data_parallel_rank=DATA_PARALLEL_RANK)
         payload = encode_batch(batch)
         with self._lock:
             self._pending.append(payload)
@@ -73,6 +86,9 @@ class KVEventPublisher:
             if self.replay_endpoint:
                 router = context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                # A full replay plus its end marker must fit the send queue (ROUTER drops, not
+                # blocks, past it; ZMQ acks reads every HWM/2 messages), as vLLM sizes it.
+                router.setsockopt(zmq.SNDHWM, 2 * (self._buffer.maxlen + 1))
                 router.bind(self.replay_endpoint)
         except BaseException as exc:  # surfaced to the constructor
             self._error = exc
@@ -105,10 +121,14 @@ class KVEventPublisher:
                 router.close()
 
     def _serve_replay(self, router) -> None:
+        """vLLM's replay: a request is [identity, b"", start seq]; each buffered batch from there
+        goes back as [identity, b"", topic, seq, payload], then [identity, b"", b"", END_SEQ, b""]."""
         frames = router.recv_multipart()
-        identity, start = frames[0], frames[-1]
+        if len(frames) != 3:
+            return  # not a replay request (vLLM logs and ignores it too)
+        identity, _empty, start = frames
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                router.send_multipart((identity, b"", encode_seq(seq), payload))
-        router.send_multipart((identity, b"", END_SEQ, b""))
+                router.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
+        router.send_multipart((identity, b"", b"", END_SEQ, b""))

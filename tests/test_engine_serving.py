@@ -106,7 +106,7 @@ def _replay(ctx, endpoint: str, start_seq: int) -> dict:
     replayed = {}
     try:
         while dealer.poll(5000):
-            _, seq, payload = dealer.recv_multipart()
+            *_, seq, payload = dealer.recv_multipart()  # [b"", topic, seq, payload] (vLLM 0.33.0)
             if seq == END_SEQ:
                 return replayed
             replayed[int.from_bytes(seq, "big")] = decode_batch(payload)
