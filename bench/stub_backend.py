@@ -29,7 +29,7 @@ from aiohttp import web
 from protocol.errors import ModelNotFound
 from protocol.http import openai_errors
 from protocol.requests import (ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion,
-                               max_new_tokens, message_dicts, single_prompt)
+                               message_dicts, requested_max_tokens, single_prompt)
 from protocol.sse import DONE_EVENT, event
 from tokenization.bundle import TokenizerBundle
 
@@ -72,7 +72,7 @@ class StubModel:
 
     def plan(self, request) -> tuple[list[int], list[tuple[int, str]], str]:
         prompt_ids = self.prompt_ids(request)
-        limit = max_new_tokens(request, default=self.output_tokens)
+        limit = requested_max_tokens(request)[0] or self.output_tokens
         count = min(limit, self.output_tokens)
         finish_reason = "length" if count == limit else "stop"
         return prompt_ids, self.output(prompt_ids, count), finish_reason

@@ -24,8 +24,7 @@ from observability.request_log import RequestLog, RequestRecord
 from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Unavailable,
                              UpstreamError, error_body, from_decode_error, normalize_upstream_error)
 from protocol.http import error_response
-from protocol.requests import (AnyRequest, ChatCompletionRequest, decode_chat, decode_completion,
-                               max_new_tokens)
+from protocol.requests import AnyRequest, decode_chat, decode_completion, fit_max_tokens, requested_max_tokens
 from protocol.sse import DONE_EVENT, EventSplitter, data_of, event
 
 log = structlog.get_logger("kvgate.proxy")
@@ -116,7 +115,7 @@ class Proxy:
         router = self.router
         hashes = router.hashes(prompt_ids, parsed.cache_salt)  # once; a retry reuses them
         session_key = router.session_key(request.headers, parsed.user)
-        new_tokens = max_new_tokens(parsed, 0) or None
+        new_tokens = requested_max_tokens(parsed)[0]
 
         failures: list[str] = []
         for _attempt in range(2):  # the first choice, then once more on another replica
@@ -171,20 +170,11 @@ class Proxy:
 
     @staticmethod
     def _check_context(parsed: AnyRequest, prompt_ids: list[int], candidates: list[ReplicaState]) -> None:
+        """vLLM's context rule against the smallest context among the candidates, before routing:
+        a request no replica could serve gets vLLM's 400 here, not after a round trip."""
         lengths = [c.max_model_len for c in candidates if c.max_model_len]
-        if not lengths:
-            return
-        limit = min(lengths)
-        prompt_len = len(prompt_ids)
-        requested_new = max_new_tokens(parsed, 0)
-        where = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
-        if prompt_len > limit or (requested_new and prompt_len + requested_new > limit):
-            detail = (f"{prompt_len} in the {where}, {requested_new} in the completion" if requested_new
-                      else f"{prompt_len} in the {where}")
-            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you "
-                             f"requested {prompt_len + requested_new} tokens ({detail}). Please reduce "
-                             f"the length of the {where} or completion.", param=where,
-                             code="context_length_exceeded")
+        if lengths:
+            fit_max_tokens(parsed, len(prompt_ids), min(lengths), None)
 
     # ---- relaying ---------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ replica). Value checks that msgspec cannot express live in `check_*` below, one 
 the gateway and the replica."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -43,7 +43,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     return_token_ids: bool | None = None
     user: str | None = None
     cache_salt: str | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None   # None: the replica's default (True unless configured)
 
 
 class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
@@ -116,6 +116,51 @@ def check_common(request: SamplingFields) -> None:
         raise BadRequest("At most 16 stop sequences are allowed.", param="stop")
 
 
+# Fields of OpenAI's and vLLM's request bodies that the built-in replica does not honour yet, with the
+# values that mean "not used". A client that always sends `frequency_penalty: 0` or `tools: []` keeps
+# working; any other value is a 400 naming the field, never a 200 that silently ignored it. (The
+# gateway does not apply this table: a vLLM replica behind it honours these, and the gateway passes
+# the built-in replica's 400 through unchanged.)
+_ZERO = (None, 0)
+UNHONOURED_FIELDS: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": _ZERO, "prompt_logprobs": (None,),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "presence_penalty": _ZERO, "frequency_penalty": _ZERO, "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_p": _ZERO, "min_tokens": _ZERO,
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    "suffix": (None, ""), "include_stop_str_in_output": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "continue_final_message": (None, False), "reasoning_effort": (None,), "web_search_options": (None,),
+}
+_unhonoured_decoder = msgspec.json.Decoder(
+    msgspec.defstruct("UnhonouredFields", [(name, Any, None) for name in UNHONOURED_FIELDS]))
+
+
+def _same(value: Any, not_used: Any) -> bool:
+    """JSON equality without Python's bool/int mixing (`logprobs: 0` is not `false`); 0 and 0.0 agree."""
+    if isinstance(value, bool) or isinstance(not_used, bool) or not isinstance(value, (int, float)):
+        return type(value) is type(not_used) and value == not_used
+    return isinstance(not_used, (int, float)) and value == not_used
+
+
+def check_honoured(body: bytes) -> None:
+    """400 naming the first field of `UNHONOURED_FIELDS` set to anything but a not-used value
+    (call once the body decoded as a request, so it is a JSON object)."""
+    fields = _unhonoured_decoder.decode(body)
+    for name, not_used in UNHONOURED_FIELDS.items():
+        value = getattr(fields, name)
+        if not any(_same(value, v) for v in not_used):
+            allowed = " or ".join(msgspec.json.encode(v).decode() for v in not_used)
+            raise BadRequest(f"`{name}` is not supported by this replica (kvgate's built-in engine) yet; "
+                             f"leave it out or send {allowed}.", param=name, code="unsupported_parameter")
+
+
 def single_prompt(request: CompletionRequest) -> str | list[int]:
     """The one prompt of a completion request (a one-element batch is unwrapped)."""
     prompt = request.prompt
@@ -124,10 +169,36 @@ def single_prompt(request: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def max_new_tokens(request: AnyRequest, default: int) -> int:
+def requested_max_tokens(request: AnyRequest) -> tuple[int | None, str]:
+    """The output length the client asked for, and the field it used (None: left out)."""
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        return request.max_completion_tokens
-    return request.max_tokens if request.max_tokens is not None else default
+        return request.max_completion_tokens, "max_completion_tokens"
+    return request.max_tokens, "max_tokens"
+
+
+def fit_max_tokens(request: AnyRequest, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """The output length a request gets, by vLLM 0.33's rules (one place for gateway and replica):
+    a requested length above max_model_len and a prompt that leaves no room for one token are 400s;
+    otherwise the requested length (or `default`, None meaning "up to the context") is capped to
+    the room the prompt leaves, so a request that leaves max_tokens out runs to the context."""
+    requested, param = requested_max_tokens(request)
+    if requested is not None and requested > max_model_len:
+        raise BadRequest(f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
+                         f"Please request fewer output tokens.", param=param, code="context_length_exceeded")
+    if prompt_len > max_model_len:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                         f"prompt contains {prompt_len} input tokens, which exceeds this limit even without "
+                         f"any output tokens. Please reduce the length of the input prompt.",
+                         param="input_tokens", code="context_length_exceeded")
+    if prompt_len == max_model_len:
+        raise BadRequest(f"The decoder prompt (length {prompt_len}) plus the number of requested output "
+                         f"tokens (at least 1) is longer than the maximum model length of {max_model_len}. "
+                         f"Make sure that `max_model_len` is no smaller than the number of text tokens "
+                         f"(prompt + requested output tokens).", param="input_tokens",
+                         code="context_length_exceeded")
+    wanted = requested if requested is not None else default
+    room = max_model_len - prompt_len
+    return room if wanted is None else min(wanted, room)
 
 
 def message_dicts(request: ChatCompletionRequest) -> list[dict]:

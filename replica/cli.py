@@ -29,6 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-running", type=int, default=64,
                         help="most sequences in the running batch (vLLM's --max-num-seqs)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.25, help="memory for the paged KV cache")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (prompt + output) served; default: the model's context, "
+                             "capped to what the KV cache holds for one sequence")
+    parser.add_argument("--generation-config", default="auto",
+                        help="default sampling for fields a request leaves out, as vLLM: 'auto' (the "
+                             "model's generation_config.json, or its model card's advice), 'vllm' "
+                             "(neutral: temperature 1, top_p 1), or a directory with a generation_config.json")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help="""sampling defaults on top of --generation-config, e.g. '{"temperature": 0.7}'""")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="tokens per engine step (decodes + prefill chunks)")
@@ -55,6 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_gb <= 0:
         print("kvgate replica: --kv-cache-gb must be > 0", file=sys.stderr)
         return 2
+    if args.max_model_len is not None and args.max_model_len < 1:
+        print("kvgate replica: --max-model-len must be >= 1", file=sys.stderr)
+        return 2
+    override = None
+    if args.override_generation_config:
+        import json
+        try:
+            override = json.loads(args.override_generation_config)
+        except json.JSONDecodeError as exc:
+            print(f"kvgate replica: --override-generation-config is not JSON: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(override, dict):
+            print("kvgate replica: --override-generation-config must be a JSON object", file=sys.stderr)
+            return 2
 
     from observability.logs import configure_logging
     configure_logging(args.log_level, args.log_format)
@@ -79,15 +102,37 @@ def main(argv: list[str] | None = None) -> int:
     return_freed_heap()
     log.info("model_loaded", model=loaded.name, source=loaded.source, max_model_len=loaded.max_model_len,
              dtype=args.dtype, threads=args.threads)
+    if args.max_model_len is not None and args.max_model_len > loaded.max_model_len:
+        return _refuse(log, f"--max-model-len {args.max_model_len} is greater than the model's context "
+                            f"({loaded.max_model_len} tokens, max_position_embeddings)")
+    from replica.generation_config import GenerationConfigError, resolve_sampling_defaults
+    try:
+        defaults, ignored = resolve_sampling_defaults(args.generation_config, loaded.recommended_sampling,
+                                                      override, loaded.recommended_by)
+    except GenerationConfigError as exc:
+        return _refuse(log, str(exc))
+    if defaults.source != "vllm":
+        # vLLM says the same: a user surprised by a non-1.0 temperature learns where it came from.
+        log.info("default_sampling", source=defaults.source, **defaults.as_dict(),
+                 hint="--generation-config vllm for neutral defaults")
+    if ignored:
+        log.warning("default_sampling_ignored", fields=ignored,
+                    reason="the built-in engine does not implement these yet")
     try:
         import uvloop
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
         runner = asyncio.run
-    return runner(_serve(args, loaded, log))
+    return runner(_serve(args, loaded, defaults, log))
 
 
-async def _serve(args, loaded, log) -> int:
+def _refuse(log, message: str) -> int:
+    log.error("replica_start_refused", error=message)
+    print(f"kvgate replica: {message}", file=sys.stderr)
+    return 2
+
+
+async def _serve(args, loaded, defaults, log) -> int:
     from aiohttp import web
 
     from replica.engine import Engine
@@ -98,20 +143,25 @@ async def _serve(args, loaded, log) -> int:
         from replica.kv_events import KVEventPublisher
         kv_events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
     try:
-        engine = Engine(loaded.model, loaded.config, loaded.tokenizer, max_model_len=loaded.max_model_len,
+        engine = Engine(loaded.model, loaded.config, loaded.tokenizer,
+                        max_model_len=args.max_model_len or loaded.max_model_len,
+                        max_model_len_requested=args.max_model_len is not None,
                         max_waiting=args.max_waiting, max_running=args.max_running,
                         kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events)
     except ValueError as exc:
         if kv_events is not None:
             kv_events.close()
-        log.error("engine_init_failed", error=str(exc))
-        return 2
+        return _refuse(log, str(exc))
     log.info("kv_cache_ready", num_blocks=engine.pool.num_blocks, block_size=args.block_size,
-             kv_cache_bytes=engine.runner.kv_cache_bytes)
+             kv_cache_bytes=engine.runner.kv_cache_bytes, max_model_len=engine.max_model_len)
+    if engine.max_model_len < engine.model_max_len:
+        log.warning("max_model_len_capped", model_max_len=engine.model_max_len, max_model_len=engine.max_model_len,
+                    kv_cache_tokens=engine.pool.num_blocks * args.block_size,
+                    hint="one sequence must fit the KV cache: raise --kv-cache-gb for a longer context")
     engine.start()
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
-                           max_model_len=loaded.max_model_len, vocab_size=loaded.config.vocab_size)
+                           vocab_size=loaded.config.vocab_size, sampling_defaults=defaults)
     # handler_cancellation: a client that hangs up on a non-streamed request cancels the handler,
     # whose `finally` aborts the sequence. On shutdown, in-flight requests get a few seconds to end
     # (a gateway in front resumes the rest elsewhere).

@@ -101,11 +101,12 @@ class Engine:
                  max_waiting: int = 256, max_running: int = 64, dtype: torch.dtype | None = None,
                  kv_cache_gb: float = DEFAULT_KV_CACHE_GB, num_blocks: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = 512,
-                 kv_events=None):
+                 kv_events=None, max_model_len_requested: bool = False):
+        """`max_model_len`: the model's context, or the user's `--max-model-len` when
+        `max_model_len_requested`; see `fit_context` for how it meets the KV cache's size."""
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.dtype = dtype or next(model.parameters()).dtype
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -113,6 +114,9 @@ class Engine:
             num_blocks = num_blocks_for_budget(config, block_size, self.dtype, kv_cache_gb)
         self.runner = ModelRunner(model, config, num_blocks, block_size, self.dtype)
         self.pool = BlockPool(num_blocks, block_size)
+        self.model_max_len = max_model_len
+        self.max_model_len = fit_context(max_model_len, num_blocks, block_size, requested=max_model_len_requested,
+                                         block_bytes=self.runner.kv_cache_bytes // num_blocks)
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_running)
         self.kv_events = kv_events
@@ -170,11 +174,13 @@ class Engine:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str | None = None) -> RequestStream:
         """Queue a request; call from the event loop. Raises Overloaded when the queue is full and
-        BadRequest when the request could never fit the KV cache."""
-        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.pool.block_size)
-        if needed > self.pool.num_blocks:
-            raise BadRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} need "
-                             f"{needed} KV cache blocks; this replica holds {self.pool.num_blocks}.",
+        BadRequest past the context (the server caps max_tokens before: this guards direct callers).
+        KV blocks are taken as the sequence grows, not reserved for max_tokens up front; a pool that
+        runs short preempts the newest sequence (see Scheduler)."""
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise BadRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"this replica's max_model_len {self.max_model_len}.",
                              param="max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         request_id = f"seq-{next(self._ids)}"
@@ -308,6 +314,25 @@ class Engine:
         request.stream._push_threadsafe(TokenEvent(token_id, delta, finish, stop_reason,
                                                    num_cached_tokens=sequence.num_cached_tokens or 0))
         return finish is not None
+
+
+def fit_context(max_model_len: int, num_blocks: int, block_size: int, *, requested: bool,
+                block_bytes: int) -> int:
+    """The context the replica serves. One sequence must fit the KV cache, else it could never
+    finish (vLLM checks the same at start). A model context larger than the cache is capped to the
+    cache (the caller logs it); a `--max-model-len` the user set that does not fit is refused with
+    both numbers, as vLLM refuses to start."""
+    cache_tokens = num_blocks * block_size
+    if max_model_len <= cache_tokens:
+        return max_model_len
+    if not requested:
+        return cache_tokens
+    needed_blocks = -(-max_model_len // block_size)
+    needed_gb = needed_blocks * block_bytes / (1 << 30) * 1.0001  # printed rounded: never short of it
+    raise ValueError(
+        f"--max-model-len {max_model_len} needs {needed_blocks} KV cache blocks for one sequence, but "
+        f"the KV cache holds {num_blocks} blocks ({cache_tokens} tokens). Raise --kv-cache-gb to at least "
+        f"{needed_gb:.4g} or lower --max-model-len to at most {cache_tokens}.")
 
 
 def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:

@@ -3,16 +3,24 @@ plus its tokenizer. Weights land in the model's fused layout (qkv, gate+up) in t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from replica.generation_config import read_generation_config
 from replica.model import LlamaConfig, LlamaForCausalLM
 from tokenization.bundle import TokenizerBundle
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF has no generation_config.json; its model card's usage example samples with
+# `model.generate(inputs, max_new_tokens=50, temperature=0.2, top_p=0.9, do_sample=True)`. The 50 matters:
+# this Q4_1 135M model starts "The capital of France is Paris." only ~60% of the time at these
+# settings, and its other openings loop ("la Femme, la Femme, ...") to the end of the context, minutes
+# on a CPU. A request that sets max_tokens, or `--override-generation-config '{"max_new_tokens": null}'`,
+# gets more.
+SMOLLM2_RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 50}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
@@ -24,6 +32,8 @@ class LoadedModel:
     name: str
     max_model_len: int
     source: str
+    recommended_sampling: dict = field(default_factory=dict)  # generation_config fields (request names)
+    recommended_by: str = "the model"    # where recommended_sampling came from, for the start-up log
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, name: str | None = None) -> LoadedModel:
@@ -32,7 +42,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, name: str | None =
 
         return _load_hf_dir(tiny_checkpoint_dir(), dtype, name or "tiny")
     if spec == "smollm2":
-        return _load_gguf(_smollm2_path(), dtype, name or "smollm2")
+        loaded = _load_gguf(_smollm2_path(), dtype, name or "smollm2")
+        loaded.recommended_sampling = dict(SMOLLM2_RECOMMENDED_SAMPLING)
+        loaded.recommended_by = "the SmolLM2 model card"
+        return loaded
     path = Path(spec).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, dtype, name or path.resolve().name)
@@ -117,7 +130,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         weights.update(load_file(str(path / shard)))
     model = _build(config, weights, dtype, str(path))
     return LoadedModel(model=model, config=config, tokenizer=TokenizerBundle.from_hf_dir(path), name=name,
-                       max_model_len=config.max_position_embeddings, source=str(path))
+                       max_model_len=config.max_position_embeddings, source=str(path),
+                       recommended_sampling=read_generation_config(path),
+                       recommended_by=f"{path / 'generation_config.json'}")
 
 
 # -- GGUF files -----------------------------------------------------------------------------------
@@ -131,8 +146,8 @@ _GGUF_LAYER_NAMES = {
 
 def _gguf_config(reader, path: Path, has_output: bool) -> LlamaConfig:
     def get(key, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        entry = reader.fields.get(key)
+        return default if entry is None else entry.contents()
 
     arch = get("general.architecture")
     if arch != "llama":

@@ -216,5 +216,6 @@ class Scheduler:
             tokens = sequence.token_slice(index * bs, (index + 1) * bs)
             block_hash = hash_block(parent, tokens, salt if index == 0 else b"")
             self.pool.commit(sequence.block_ids[index], block_hash,
-                             sequence.block_hashes[-1] if sequence.block_hashes else None, tokens)
+                             sequence.block_hashes[-1] if sequence.block_hashes else None, tokens,
+                             sequence.cache_salt if index == 0 else None)
             sequence.block_hashes.append(block_hash)

@@ -18,10 +18,11 @@ from aiohttp import web
 from protocol.errors import BadRequest, InternalError, ModelNotFound
 from protocol.http import openai_errors
 from protocol.requests import (AnyRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                               decode_chat, decode_completion, max_new_tokens, message_dicts,
-                               single_prompt, stop_strings)
+                               check_honoured, decode_chat, decode_completion, fit_max_tokens,
+                               message_dicts, single_prompt, stop_strings)
 from protocol.sse import DONE_EVENT, event
 from replica.engine import FINISH_ABORT, Engine, TokenEvent
+from replica.generation_config import SamplingDefaults
 from replica.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.sampler import SamplingParams
 
@@ -55,14 +56,15 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0)
 
 
 class ReplicaServer:
-    def __init__(self, engine: Engine, tokenizer, *, model_name: str, source: str, max_model_len: int,
-                 vocab_size: int):
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, source: str, vocab_size: int,
+                 sampling_defaults: SamplingDefaults | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.source = source
-        self.max_model_len = max_model_len
+        self.max_model_len = engine.max_model_len  # capped to what the KV cache holds for one sequence
         self.vocab_size = vocab_size
+        self.defaults = sampling_defaults or SamplingDefaults()
         self.created = int(time.time())
         self.metrics = ReplicaMetrics(model_name, engine)
         # Kept gzipped (2.2 MB -> 0.6 MB for SmolLM2): fetched once per gateway start, resident always.
@@ -107,7 +109,8 @@ class ReplicaServer:
     async def model_info(self, request: web.Request) -> web.Response:
         return json_response({"model_path": self.source, "tokenizer_path": self.source,
                               "served_model_name": self.model_name, "is_generation": True,
-                              "max_model_len": self.max_model_len, "preferred_sampling_params": None,
+                              "max_model_len": self.max_model_len,
+                              "preferred_sampling_params": self.defaults.as_dict(),
                               "weight_version": "default"})
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -156,7 +159,9 @@ class ReplicaServer:
     # -- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival_s = time.monotonic()
-        body = decode_completion(await request.read())
+        raw = await request.read()
+        body = decode_completion(raw)
+        check_honoured(raw)
         self._check_model(body.model)
         prompt = single_prompt(body)
         if isinstance(prompt, str):
@@ -164,7 +169,7 @@ class ReplicaServer:
         else:
             self._check_token_ids(prompt, "prompt")
             prompt_ids = list(prompt)
-        params = self._sampling_params(body, len(prompt_ids), "prompt")
+        params = self._sampling_params(body, len(prompt_ids))
         echo_text = ""
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
@@ -173,10 +178,12 @@ class ReplicaServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival_s = time.monotonic()
-        body = decode_chat(await request.read())
+        raw = await request.read()
+        body = decode_chat(raw)
+        check_honoured(raw)
         self._check_model(body.model)
         prompt_ids = await self._off_loop(_chat_chars(body), self._render_chat, body, False)
-        params = self._sampling_params(body, len(prompt_ids), "messages")
+        params = self._sampling_params(body, len(prompt_ids))
         return await self._generate(request, body, prompt_ids, params, arrival_s, chat=True)
 
     async def _generate(self, request: web.Request, body: AnyRequest, prompt_ids: list[int],
@@ -250,28 +257,24 @@ class ReplicaServer:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
-    def _sampling_params(self, body: AnyRequest, prompt_len: int, prompt_param: str) -> SamplingParams:
-        default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) \
-            else max(1, self.max_model_len - prompt_len)
-        max_tokens = max_new_tokens(body, default)
-        if prompt_len + max_tokens > self.max_model_len:
-            where = "messages" if prompt_param == "messages" else "prompt"
-            raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} "
-                f"in the completion). Please reduce the length of the {where} or completion.",
-                param="max_tokens" if prompt_len < self.max_model_len else prompt_param,
-                code="context_length_exceeded")
+    def _sampling_params(self, body: AnyRequest, prompt_len: int) -> SamplingParams:
+        """The request's fields, with the replica's defaults (vLLM's, or the model's recommendation)
+        for those it leaves out; max_tokens by vLLM's rule (left out: up to the context)."""
+        defaults = self.defaults
+        default_max = defaults.max_tokens
+        if isinstance(body, CompletionRequest) and default_max is None:
+            default_max = COMPLETION_DEFAULT_MAX_TOKENS
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if not body.top_k else body.top_k,
+            max_tokens=fit_max_tokens(body, prompt_len, self.max_model_len, default_max),
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else (body.top_k or -1),
             seed=body.seed,
             stop=stop_strings(body),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=defaults.skip_special_tokens if body.skip_special_tokens is None
+            else body.skip_special_tokens,
         )
 
 

@@ -105,8 +105,8 @@ def test_vllm_decodes_the_publisher_and_replays_missed_batches(publisher):
     sub.close()
 
 
-def complete(url: str, prompt: list[int]) -> None:
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+def complete(url: str, prompt: list[int], **extra) -> None:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, **extra}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -133,6 +133,7 @@ def test_live_replica_events_decode_with_vllm_033_structs_live_and_through_repla
             assert received, "no live batch reached the subscriber"
             for prompt in prompts:
                 complete(replica.url, prompt)
+            complete(replica.url, prompts[-1], cache_salt="tenant-a")  # same tokens, salted: new blocks
             with urllib.request.urlopen(replica.url + "/kvgate/cache", timeout=10) as response:
                 expected = set(json.loads(response.read())["block_hashes"])
             # Batches still in flight after the last step arrive within a moment; bounded wait.
@@ -152,10 +153,11 @@ def test_live_replica_events_decode_with_vllm_033_structs_live_and_through_repla
     events = [event for seq in sorted(replayed) for event in replayed[seq].events]
     stored = [e for e in events if isinstance(e, vllm.BlockStored)]
     assert stored and any(isinstance(e, vllm.BlockRemoved) for e in events)  # the run evicted blocks
-    for event in stored:  # what vLLM's block pool sets for a request without LoRA, images or salt
+    salted = [e for e in stored if e.extra_keys != [None] * len(e.block_hashes)]
+    assert [(e.token_ids, e.extra_keys) for e in salted] == [(prompts[-1][:16], [("tenant-a",)])]  # block 0
+    for event in stored:  # what vLLM's block pool sets for a request without LoRA or images
         assert (event.block_size, event.lora_id, event.lora_name, event.medium, event.group_idx) == \
             (16, None, None, "GPU", 0)
-        assert event.extra_keys == [None] * len(event.block_hashes)
         assert all(type(h) is int for h in event.block_hashes)
     for event in events:
         if isinstance(event, vllm.BlockRemoved):
