@@ -11,8 +11,9 @@ import pytest
 import torch
 import zmq
 
-from protocol.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
+from protocol.kv_events import BlockRemoved, BlockStored, decode_batch
 from tests.kv_index import replay_into_index
+from tests.test_kv_events import collect, replay
 from replica.loader import load_model
 from replica.model_runner import ModelRunner, greedy_generate
 from routing.hashing import ROOT_HASH, block_hashes
@@ -92,29 +93,6 @@ def test_shared_prefix_hits_the_cache_with_identical_tokens(tiny):
     assert tokens_of(shared) == alone(tiny, second, 12)
 
 
-def _collect_events(sub, received: dict, until_s: float) -> None:
-    while time.monotonic() < until_s and sub.poll(50):
-        topic, seq, payload = sub.recv_multipart()
-        received[int.from_bytes(seq, "big")] = decode_batch(payload)
-
-
-def _replay(ctx, endpoint: str, start_seq: int) -> dict:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
-    replayed = {}
-    try:
-        while dealer.poll(5000):
-            *_, seq, payload = dealer.recv_multipart()  # [b"", topic, seq, payload] (vLLM 0.33.0)
-            if seq == END_SEQ:
-                return replayed
-            replayed[int.from_bytes(seq, "big")] = decode_batch(payload)
-        raise AssertionError("replay socket did not answer END_SEQ")
-    finally:
-        dealer.close()
-
-
 def test_small_pool_preempts_finishes_everything_and_events_rebuild_the_cache(tiny):
     pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
     replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -144,9 +122,9 @@ def test_small_pool_preempts_finishes_everything_and_events_rebuild_the_cache(ti
             deadline = time.monotonic() + 10
             index: set[int] = set()
             while time.monotonic() < deadline:
-                _collect_events(sub, received, time.monotonic() + 0.2)
+                collect(sub, received, time.monotonic() + 0.2, decode=decode_batch)
                 last = max(received, default=-1)
-                received.update(_replay(ctx, replay_endpoint, 0) if not received or
+                received.update(replay(ctx, replay_endpoint, 0, decode=decode_batch) if not received or
                                 sorted(received) != list(range(last + 1)) else {})
                 index = replay_into_index(received)
                 if index == expected:

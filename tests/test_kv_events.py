@@ -38,14 +38,15 @@ def subscribe(ctx, endpoint: str):
     return sub
 
 
-def collect(sub, received: dict, until_s: float, topic: bytes = b"kv-events") -> None:
+def collect(sub, received: dict, until_s: float, topic: bytes = b"kv-events", decode=decode_as_vllm) -> None:
+    """Batches published until `until_s` into received[seq], decoded with vLLM's structs (or `decode`)."""
     while time.monotonic() < until_s and sub.poll(50):
         frames = sub.recv_multipart()
         assert len(frames) == 3 and frames[0] == topic
-        received[int.from_bytes(frames[1], "big")] = decode_as_vllm(frames[2])
+        received[int.from_bytes(frames[1], "big")] = decode(frames[2])
 
 
-def replay(ctx, endpoint: str, start_seq: int, topic: bytes = b"kv-events") -> dict:
+def replay(ctx, endpoint: str, start_seq: int, topic: bytes = b"kv-events", decode=decode_as_vllm) -> dict:
     """vLLM's replay protocol as its own subscribers speak it: [b"", start seq] to the ROUTER;
     back come [b"", topic, seq, payload] per batch and [b"", b"", END_SEQ, b""]. (A DEALER: the
     answer is many messages, a REQ socket would keep only the first.)"""
@@ -61,7 +62,7 @@ def replay(ctx, endpoint: str, start_seq: int, topic: bytes = b"kv-events") -> d
                 return replayed
             empty, frame_topic, seq, payload = frames
             assert empty == b"" and frame_topic == topic
-            replayed[int.from_bytes(seq, "big")] = decode_as_vllm(payload)
+            replayed[int.from_bytes(seq, "big")] = decode(payload)
         raise AssertionError("replay socket did not answer END_SEQ")
     finally:
         dealer.close()
