@@ -120,11 +120,7 @@ def main() -> None:
     tracker = state.tracker
 
     def decide(request):
-        decision = precise.choose(REPLICAS, request)
-        # the request finishes before the next one: loads stay as they were (untimed)
-        tracker.on_finished(decision.replica, len(tokens), decision.predicted_cached_tokens,
-                            started_decoding=False, prefix_key=decision.prefix_key)
-        return decision
+        return precise.choose(REPLICAS, request)  # a pure decision: loads stay as they were
 
     def timed_decisions(request, count: int) -> list[int]:
         for _ in range(WARMUP):
@@ -132,10 +128,8 @@ def main() -> None:
         times = []
         for _ in range(count):
             started = time.perf_counter_ns()
-            decision = precise.choose(REPLICAS, request)
+            precise.choose(REPLICAS, request)
             times.append(time.perf_counter_ns() - started)
-            tracker.on_finished(decision.replica, len(tokens), decision.predicted_cached_tokens,
-                                started_decoding=False, prefix_key=decision.prefix_key)
         return times
 
     n = args.iterations

@@ -15,6 +15,8 @@ import yaml
 from msgspec import Meta
 
 from routing import POLICIES
+from routing.params import (CacheAwareParams, ConsistentHashParams, LeastLoadParams, NonNegative, PositiveInt,
+                            RoundRobinParams, SessionAffinityParams)
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, Meta(gt=0)]
@@ -42,37 +44,6 @@ class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return None if self.file is None else Path(self.file).expanduser().absolute()
 
 
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegative = Annotated[float, Meta(ge=0)]
-
-
-class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """score = prefill_weight x uncached-prefill seconds + queue_weight x queueing seconds."""
-    prefill_weight: NonNegative = 1.0
-    queue_weight: NonNegative = 1.0
-    balance_factor: Annotated[float, Meta(ge=1)] = 1.25
-    balance_slack: NonNegative = 0.0
-    follow_slack: NonNegative = 2.0
-    min_match_blocks: Annotated[int, Meta(ge=0)] = 1
-    learn_from_routing: bool = True
-
-
-class ConsistentHashParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    virtual_nodes: PositiveInt = 100
-    epsilon: NonNegative = 0.25
-    key_blocks: PositiveInt = 4
-
-
-class LeastLoadParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    seed: int | None = None
-
-
-class SessionAffinityParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    fallback: str = "cache_aware"   # policy for a request without a session, or a session that moves
-    max_sessions: PositiveInt = 100_000
-    ttl_s: PositiveSeconds = 3600.0
-    balance_factor: Annotated[float, Meta(ge=1)] = 1.25
-    balance_slack: NonNegative = 0.0
 
 
 class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -98,18 +69,9 @@ class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     least_load: LeastLoadParams = msgspec.field(default_factory=LeastLoadParams)
     session_affinity: SessionAffinityParams = msgspec.field(default_factory=SessionAffinityParams)
 
-    def policy_params(self, name: str | None = None) -> dict:
-        """The YAML keys of policy `name` (default: the configured one) as make_policy params."""
-        name = name or self.policy
-        section = getattr(self, name, None)
-        if section is None:
-            return {}
-        params = msgspec.structs.asdict(section)
-        if name == "least_load" and params["seed"] is None:
-            params.pop("seed")
-        if name == "session_affinity":
-            params["fallback_params"] = self.policy_params(params["fallback"])
-        return params
+    def policy_params(self, name: str | None = None) -> msgspec.Struct:
+        """Policy `name`'s section (default: the configured policy's), the struct make_policy takes."""
+        return getattr(self, name or self.policy, None) or RoundRobinParams()
 
 
 class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from gateway.prompts import prompt_token_ids
-from gateway.router import Router, Ticket
+from gateway.router import RoutedAttempt, Router
 from gateway.upstream import ReplicaPool, ReplicaState
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog, RequestRecord
@@ -118,21 +118,17 @@ class Proxy:
         new_tokens = requested_max_tokens(parsed)[0]
 
         failures: list[str] = []
-        for _attempt in range(2):  # the first choice, then once more on another replica
-            pool = [c for c in self.pool.candidates(model) if c.name not in failures]
+        for _try in range(2):  # the first choice, then once more on another replica
+            pool = [c.name for c in self.pool.candidates(model) if c.name not in failures]
             if not pool:
                 break
-            decision, ticket, routing_log = router.route([c.name for c in pool], model, prompt_ids, hashes,
-                                                         session_key, parsed.cache_salt, new_tokens)
-            replica = self.pool.by_name[decision.replica]
-            record.replica = replica.name
-            record.routing = routing_log
-            if failures:
-                record.routing["retried_after"] = list(failures)
-            replica.in_flight += 1
-            self.metrics.in_flight.labels(replica=replica.name).inc()
-            prefilled = False
-            try:
+            with router.attempt(pool, model, prompt_ids, hashes, session_key, parsed.cache_salt,
+                                new_tokens) as attempt:
+                replica = self.pool.by_name[attempt.replica]
+                record.replica = replica.name
+                record.routing = attempt.log
+                if failures:
+                    record.routing["retried_after"] = list(failures)
                 try:
                     upstream = await self.pool.session.post(
                         replica.base_url + record.endpoint, data=payload, headers=upstream_headers)
@@ -143,16 +139,15 @@ class Proxy:
                 except asyncio.TimeoutError:
                     raise UpstreamError(f"Replica {replica.name} did not answer within the timeout.",
                                         status=504, code="upstream_timeout") from None
-                if parsed.stream:
-                    return await self._relay_stream(request, upstream, record, reply_headers,
-                                                    wants_token_ids, wants_usage, ticket)
-                response = await self._relay_json(upstream, record, reply_headers, wants_token_ids)
-                prefilled = True
-                return response
-            finally:
-                replica.in_flight -= 1
-                self.metrics.in_flight.labels(replica=replica.name).dec()
-                router.finished(ticket, record.cached_tokens, prefilled or ticket.started_decoding)
+                try:
+                    if parsed.stream:
+                        return await self._relay_stream(request, upstream, record, reply_headers,
+                                                        wants_token_ids, wants_usage, attempt)
+                    response = await self._relay_json(upstream, record, reply_headers, wants_token_ids)
+                    attempt.first_token()  # the whole answer: it was prefilled
+                    return response
+                finally:
+                    attempt.cached_tokens = record.cached_tokens
         if failures:
             raise UpstreamError(f"Replica(s) unreachable: {', '.join(failures)}.", code="upstream_unreachable")
         raise Unavailable(f"No replica serving `{model}` is ready.", retry_after_s=1)
@@ -223,7 +218,7 @@ class Proxy:
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
                             record: RequestRecord, reply_headers: dict, wants_token_ids: bool,
-                            wants_usage: bool, ticket: Ticket) -> web.StreamResponse:
+                            wants_usage: bool, attempt: RoutedAttempt) -> web.StreamResponse:
         if upstream.status >= 400:
             raise await self._upstream_error(upstream)
         response = web.StreamResponse(status=200, headers={
@@ -241,6 +236,8 @@ class Proxy:
                     for raw_event in splitter.feed(chunk):
                         delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
                                                             wants_usage) or delivered
+                    if record.first_token_s is not None and not attempt.started_decoding:
+                        attempt.first_token()  # prefilled: the load tracker now counts it decoding
                 for raw_event in splitter.flush():
                     delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
                                                         wants_usage) or delivered

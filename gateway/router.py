@@ -1,14 +1,19 @@
-"""The gateway's side of routing: owns the RoutingState and the live policy, turns a request into
-a routing.RouteRequest, and reports each routed attempt's progress back (load tracker hooks,
-prefix-table corrections from the cached tokens a replica reports).
+"""The gateway's side of routing: owns the RoutingState and the live policy, and turns each try
+of a request into one RoutedAttempt, which the proxy enters once per try:
+
+    with router.attempt(candidates, model, prompt_ids, hashes, ...) as attempt:
+        ... send to attempt.replica; attempt.first_token() when the first token arrives ...
+
+The attempt owns the try's whole life: counted in the load tracker (routing.attempt), the
+in-flight gauge, the policy's commit (approximate mode's guess), the KV events a precise replica
+now owes, and on leaving the corrections from the cached tokens the replica reported.
 
 Everything here is synchronous and runs on the event loop between awaits, so a hot reload
-(`apply`) never interleaves with a decision. A `Ticket` remembers the state it was routed
-with: a request in flight across a reload reports to the tracker it was counted in."""
+(`apply`) never interleaves with a decision. An attempt keeps the state it was routed with: a
+request in flight across a reload reports to the tracker it was counted in."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -16,27 +21,12 @@ import structlog
 
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
-from routing import RouteRequest, RoutingState, make_policy
+from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 from routing.load import LoadModel, LoadTracker
 from routing.prefix_table import as_block_keys
 
 log = structlog.get_logger("kvgate.router")
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One routed attempt of one request."""
-    replica: str
-    model: str
-    state: RoutingState
-    prompt_tokens: int
-    hashes: Sequence[int]
-    predicted_cached_tokens: int
-    uses_table: bool           # the policy consulted/learned the prefix table
-    prefix_key: int | None = None  # what the policy counted as running there (tracker.on_routed)
-    started_decoding: bool = False
-    done: bool = False
 
 
 def _load_model(section: RoutingSection) -> LoadModel:
@@ -69,7 +59,9 @@ class Router:
         if fresh:  # new block size or TTL: the tables' keys/stamps mean something else; start over
             policy_state = RoutingState(LoadTracker(_load_model(routing)), block_size=routing.block_size,
                                         guess_ttl_s=routing.guess_ttl_s)
-        policy = make_policy(routing.policy, routing.policy_params(), policy_state)
+        params = routing.policy_params()
+        policy = make_policy(routing.policy, params, policy_state,
+                             routing.policy_params(getattr(params, "fallback", None)))
         if not fresh:
             policy_state.tracker.model = _load_model(routing)
         wanted = {spec.name: spec for spec in config.replicas}
@@ -110,76 +102,74 @@ class Router:
         as the uint64 array the prefix table reads (no per-decision conversion)."""
         return as_block_keys(block_hashes(prompt_token_ids, self.state.block_size, cache_salt))
 
-    def route(self, candidates: list[str], model: str, prompt_token_ids: Sequence[int],
-              hashes: Sequence[int], session_key: str | None, cache_salt: str | None,
-              max_new_tokens: int | None):
+    def attempt(self, candidates: list[str], model: str, prompt_token_ids: Sequence[int],
+                hashes: Sequence[int], session_key: str | None, cache_salt: str | None,
+                max_new_tokens: int | None) -> "RoutedAttempt":
+        """Choose a replica among `candidates` and start one try there (see the module docstring)."""
         state = self.state
         request = RouteRequest(model=model, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens,
                                block_hashes=hashes, session_key=session_key, cache_salt=cache_salt)
+        policy = self.policy
         # The load each candidate looked like before this decision (the record explains the choice).
         estimates = ({name: _estimate_log(state, name) for name in candidates}
-                     if self.policy.name != "round_robin" else None)
-        policy = self.policy
+                     if policy.name != "round_robin" else None)
         decision = policy.choose(candidates, request)
-        if decision.policy == "round_robin":  # the one policy that does not count what it routes
-            state.tracker.on_routed(decision.replica, len(prompt_token_ids), 0)
-        commit = getattr(policy, "commit", None)
-        if commit is not None:
+        try:
             # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
             # decision path: on the next loop turn, once the request is on its way upstream.
-            try:
-                asyncio.get_running_loop().call_soon(commit, decision)
-            except RuntimeError:  # no loop (called from plain code): record it now
-                commit(decision)
-        predicted = getattr(decision, "predicted_cached_tokens", 0)
-        uses_table = bool(getattr(decision, "matched_blocks", None))
-        ticket = Ticket(decision.replica, model, state, len(prompt_token_ids), hashes, predicted, uses_table,
-                        getattr(decision, "prefix_key", None))
-        if predicted:
-            self.metrics.predicted_cached_tokens.labels(replica=decision.replica).inc(predicted)
-        entry = decision.as_log()
-        entry["mode"] = "precise" if self.precise.get(decision.replica) else "approximate"
+            asyncio.get_running_loop().call_soon(policy.commit, decision)
+        except RuntimeError:  # no loop (called from plain code): record it now
+            policy.commit(decision)
+        return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
+
+
+class RoutedAttempt:
+    """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
+    however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
+    corrects approximate mode's table."""
+    __slots__ = ("router", "routed", "replica", "log", "cached_tokens")
+
+    def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
+        self.router = router
+        self.routed = routed
+        self.replica = routed.replica
+        self.cached_tokens: int | None = None
+        decision: Decision = routed.decision
+        self.log = decision.as_log()
+        self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
         if estimates is not None:
-            entry["load_estimate"] = estimates
-        return decision, ticket, entry
+            self.log["load_estimate"] = estimates
+        metrics = router.metrics
+        metrics.in_flight.labels(replica=self.replica).inc()
+        if decision.predicted_cached_tokens:
+            metrics.predicted_cached_tokens.labels(replica=self.replica).inc(decision.predicted_cached_tokens)
 
-    def first_token(self, ticket: Ticket) -> None:
-        if ticket.started_decoding or ticket.done:
+    @property
+    def started_decoding(self) -> bool:
+        return self.routed.started_decoding
+
+    def first_token(self) -> None:
+        """The replica prefilled the prompt: its first token (or, not streamed, its answer) came."""
+        routed = self.routed
+        if not routed.first_token():
             return
-        ticket.started_decoding = True
-        if self.precise.get(ticket.replica) and (ticket.prompt_tokens // ticket.state.block_size
-                                                 > ticket.predicted_cached_tokens // ticket.state.block_size):
+        state = routed.state
+        if self.router.precise.get(self.replica) and (routed.prompt_tokens // state.block_size
+                                                      > routed.predicted_cached_tokens // state.block_size):
             # It just prefilled full blocks it did not hold: their BlockStored events must follow.
-            self.expect_events.setdefault(ticket.replica, ticket.state.clock())
-        if ticket.replica in ticket.state.model_of:
-            ticket.state.tracker.on_first_token(ticket.replica, ticket.prompt_tokens, ticket.predicted_cached_tokens)
+            self.router.expect_events.setdefault(self.replica, state.clock())
 
-    def finished(self, ticket: Ticket, cached_tokens: int | None, prefilled: bool) -> None:
-        """The attempt is over (answered, failed or cancelled). `cached_tokens`: what the replica
-        reported, if it did; `prefilled`: the replica computed the prompt (its blocks are there now)."""
-        if ticket.done:
+    def __enter__(self) -> "RoutedAttempt":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        router, replica = self.router, self.replica
+        if self.routed.done:
             return
-        ticket.done = True
-        state = ticket.state
-        if ticket.replica not in state.model_of:
-            return  # removed by a reload while this ran: nothing of it is tracked any more
-        state.tracker.on_finished(ticket.replica, ticket.prompt_tokens, ticket.predicted_cached_tokens,
-                                  started_decoding=ticket.started_decoding, prefix_key=ticket.prefix_key)
-        if cached_tokens is not None:
-            self.metrics.reported_cached_tokens.labels(replica=ticket.replica).inc(cached_tokens)
-        if not ticket.uses_table or self.precise.get(ticket.replica):
-            return  # precise mode: KV events are the truth, they need no correcting
-        table = state.table(ticket.model)
-        predicted_blocks = ticket.predicted_cached_tokens // state.block_size
-        if not prefilled:
-            # Routing assumed the whole prompt would be cached there; it never got computed.
-            table.correct(ticket.replica, ticket.hashes, predicted_blocks)
-        elif cached_tokens is not None and cached_tokens // state.block_size < predicted_blocks:
-            # The replica had evicted part of what we believed it held. Drop those claims, then
-            # record the prompt again: the replica has just recomputed it, so it holds it now
-            # (as the newest entries of its ring, which is what LRU on the replica did too).
-            table.correct(ticket.replica, ticket.hashes[:predicted_blocks], cached_tokens // state.block_size)
-            table.insert(ticket.replica, ticket.hashes, guessed=True, now=state.clock())
+        router.metrics.in_flight.labels(replica=replica).dec()
+        if self.cached_tokens is not None:
+            router.metrics.reported_cached_tokens.labels(replica=replica).inc(self.cached_tokens)
+        self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
 def _estimate_log(state: RoutingState, replica: str) -> dict:

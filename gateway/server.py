@@ -61,9 +61,11 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
 
     async def health(_request: web.Request) -> web.Response:
         ready = any(replica.ready for replica in pool.replicas)
+        tracker, now = router.state.tracker, router.state.clock()
         return web.json_response(
             {"status": "ok" if ready else "unavailable", "all_ready": pool.all_ready.is_set(),
-             "replicas": {replica.name: replica.describe() for replica in pool.replicas}},
+             "replicas": {replica.name: {**replica.describe(), "in_flight": tracker.in_flight(replica.name, now)}
+                          for replica in pool.replicas}},
             status=200 if ready else 503)
 
     async def metrics_endpoint(_request: web.Request) -> web.Response:

@@ -29,7 +29,6 @@ class ReplicaState:
         self.models: list[str] = []
         self.max_model_len: int | None = None
         self.tokenizer: TokenizerBundle | None = None
-        self.in_flight = 0
         self.last_error: str | None = None
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
 
@@ -43,8 +42,7 @@ class ReplicaState:
     def describe(self) -> dict:
         return {"url": self.base_url, "healthy": self.healthy, "ready": self.ready,
                 "models": self.models or [self.spec.model], "max_model_len": self.max_model_len,
-                "tokenizer": self.tokenizer is not None, "in_flight": self.in_flight,
-                "error": self.last_error}
+                "tokenizer": self.tokenizer is not None, "error": self.last_error}
 
 
 class ReplicaPool:

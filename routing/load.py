@@ -8,7 +8,9 @@ keeps a scrape that saw our own, since finished, requests from inflating the est
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,9 +75,9 @@ class ReplicaLoad:
     decoding: int = 0                # streaming sequences
     decoding_context_tokens: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
-    # prefix key (a prompt's first block hash) -> our requests in flight with it: a prefix that
-    # arrives faster than this replica serves it is "hot" (the balance guard bounds those)
-    running_prefixes: dict[int, int] = field(default_factory=dict)
+    # ticket -> block hashes of our requests in flight here: what the balance guard asks when a
+    # prompt would follow this replica's cache ("is that cached prefix already running here?")
+    running_prompts: dict[int, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class LoadTracker:
     def __init__(self, model: LoadModel | None = None) -> None:
         self.model = model or LoadModel()
         self.replicas: dict[str, ReplicaLoad] = {}
+        self._tickets = itertools.count(1)
 
     def _get(self, replica: str) -> ReplicaLoad:
         load = self.replicas.get(replica)
@@ -105,13 +108,16 @@ class LoadTracker:
 
     # ---- the gateway's own accounting -------------------------------------------------
     def on_routed(self, replica: str, prompt_tokens: int, cached_tokens: int = 0,
-                  prefix_key: int | None = None) -> None:
-        """`prefix_key`: counted as running there until on_finished gets the same key."""
+                  block_hashes: Sequence[int] = ()) -> int:
+        """Count a request routed to `replica`; returns the ticket on_finished takes back.
+        `block_hashes`: the prompt's, remembered while it runs (see running_prefix)."""
         load = self._get(replica)
         load.waiting += 1
         load.pending_prefill_tokens += max(prompt_tokens - cached_tokens, 0)
-        if prefix_key is not None:
-            load.running_prefixes[prefix_key] = load.running_prefixes.get(prefix_key, 0) + 1
+        ticket = next(self._tickets)
+        if len(block_hashes):
+            load.running_prompts[ticket] = block_hashes
+        return ticket
 
     def on_first_token(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """Same arguments as on_routed (the gateway passes what it predicted then)."""
@@ -122,25 +128,27 @@ class LoadTracker:
         load.decoding_context_tokens += prompt_tokens
 
     def on_finished(self, replica: str, prompt_tokens: int, cached_tokens: int = 0,
-                    started_decoding: bool = True, prefix_key: int | None = None) -> None:
+                    started_decoding: bool = True, ticket: int | None = None) -> None:
         """Request over (done, failed or cancelled); started_decoding: on_first_token was called;
-        prefix_key: the one on_routed got (decision.prefix_key), if any."""
+        ticket: what on_routed returned."""
         load = self._get(replica)
         if not started_decoding:
             self.on_first_token(replica, prompt_tokens, cached_tokens)
         load.decoding = max(load.decoding - 1, 0)
         load.decoding_context_tokens = max(load.decoding_context_tokens - prompt_tokens, 0)
-        if prefix_key is not None:
-            left = load.running_prefixes.get(prefix_key, 0) - 1
-            if left > 0:
-                load.running_prefixes[prefix_key] = left
-            else:
-                load.running_prefixes.pop(prefix_key, None)
+        if ticket is not None:
+            load.running_prompts.pop(ticket, None)
 
-    def running_prefix(self, replica: str, prefix_key: int | None) -> int:
-        """Our requests in flight on `replica` whose prompt starts with this prefix key."""
+    def running_prefix(self, replica: str, block_hashes: Sequence[int], depth: int) -> bool:
+        """Is one of our requests in flight on `replica` sharing this prompt's first `depth`
+        blocks? (Chained hashes: equal hash at depth-1 means equal prefix.) A loop over that
+        replica's running requests, asked only of a replica the balance guard is about to pass over."""
         load = self.replicas.get(replica)
-        return load.running_prefixes.get(prefix_key, 0) if load is not None and prefix_key is not None else 0
+        if load is None or depth < 1 or not load.running_prompts:
+            return False
+        key = block_hashes[depth - 1]
+        return any(len(running) >= depth and running[depth - 1] == key
+                   for running in load.running_prompts.values())
 
     def on_scrape(self, replica: str, scraped: ScrapedLoad, now: float) -> None:
         load = self._get(replica)

@@ -6,10 +6,11 @@ cache_aware      min over candidates of prefill cost of the uncached tokens + qu
                  among those a balance guard allows
 session_affinity sticky session -> replica map (bounded, TTL) in front of another policy
 
-Policies that route (all but round_robin) record the routing in the load tracker (on_routed) as
-they decide. cache_aware's approximate mode records the prompt's blocks as guessed on the chosen
-replica in a separate `commit(decision)`, which the gateway calls once the request is on its way
-(off the decision path). The gateway then reports on_first_token / on_finished to `state.tracker`.
+Policies decide and nothing else (routing.policy.Policy): routing.attempt counts what they route
+in the load tracker. cache_aware's approximate mode records the prompt's blocks as guessed on the
+chosen replica in `commit(decision)`, which the gateway calls once the request is on its way (off
+the decision path); the other policies' commit does nothing. Parameters: routing/params.py;
+the table of names: routing/registry.py.
 """
 from __future__ import annotations
 
@@ -20,17 +21,7 @@ from typing import Sequence
 
 import xxhash
 
-from routing.policy import (RouteRequest, RoutingDecision, RoutingState, decision_log, register,
-                            require_candidates)
-from routing.round_robin import RoundRobin
-
-
-def _take(params: dict, policy: str, **defaults):
-    values = {key: type(default)(params.pop(key, default)) if default is not None else params.pop(key, None)
-              for key, default in defaults.items()}
-    if params:
-        raise ValueError(f"unknown key(s) for routing policy {policy!r}: {', '.join(sorted(params))}")
-    return values
+from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, decision_log, require_candidates
 
 
 def _loads(state: RoutingState, candidates: Sequence[str], now: float) -> dict[str, float]:
@@ -49,12 +40,6 @@ def _within_bound(loads: dict[str, float], factor: float, slack: float) -> list[
     return allowed
 
 
-@register("round_robin")
-def _round_robin(params: dict, state: RoutingState):
-    _take(params, "round_robin")
-    return RoundRobin()
-
-
 class LeastLoad:
     name = "least_load"
 
@@ -69,15 +54,11 @@ class LeastLoad:
         loads = _loads(self.state, sample, now)
         tracker = self.state.tracker
         chosen = min(sample, key=lambda name: (loads[name], tracker.queue_delay_s(name, now)))
-        tracker.on_routed(chosen, len(request.prompt_token_ids), 0)
         return RoutingDecision(chosen, self.name, f"least loaded of {len(sample)} sampled", tuple(candidates),
                                load=loads, scores={name: loads[name] for name in sample})
 
-
-@register("least_load")
-def _least_load(params: dict, state: RoutingState):
-    values = _take(params, "least_load", seed=None)
-    return LeastLoad(state, values["seed"])
+    def commit(self, decision: RoutingDecision) -> None:
+        """Learns nothing from its own routing."""
 
 
 class ConsistentHash:
@@ -130,15 +111,11 @@ class ConsistentHash:
             if owner not in skipped:
                 skipped.append(owner)
         assert chosen is not None  # `allowed` is never empty
-        self.state.tracker.on_routed(chosen, len(request.prompt_token_ids), 0)
         reason = f"ring owner of {key_kind}" + (f", skipped over-loaded {', '.join(skipped)}" if skipped else "")
         return RoutingDecision(chosen, self.name, reason, tuple(candidates), load=loads)
 
-
-@register("consistent_hash")
-def _consistent_hash(params: dict, state: RoutingState):
-    values = _take(params, "consistent_hash", virtual_nodes=100, epsilon=0.25, key_blocks=4)
-    return ConsistentHash(state, **values)
+    def commit(self, decision: RoutingDecision) -> None:
+        """Learns nothing from its own routing."""
 
 
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
@@ -149,14 +126,14 @@ class CacheAwareDecision:
     """A cache_aware decision: the chosen replica plus what explains it, kept as lists aligned
     with the candidates; the dicts and the reason text of the log record are built on demand
     (after the response), not on the decision path."""
-    __slots__ = ("replica", "candidates", "predicted_cached_tokens", "prefix_key", "_matched", "_loads",
+    __slots__ = ("replica", "candidates", "predicted_cached_tokens", "_matched", "_loads",
                  "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes")
     policy = "cache_aware"
 
-    def __init__(self, replica, candidates, predicted_cached_tokens, prefix_key, matched, loads, scores,
+    def __init__(self, replica, candidates, predicted_cached_tokens, matched, loads, scores,
                  allowed, why, balance_factor, table, hashes) -> None:
         self.replica, self.candidates = replica, candidates
-        self.predicted_cached_tokens, self.prefix_key = predicted_cached_tokens, prefix_key
+        self.predicted_cached_tokens = predicted_cached_tokens
         self._matched, self._loads, self._scores, self._allowed = matched, loads, scores, allowed
         self._why, self._balance_factor = why, balance_factor
         self.table, self.hashes = table, hashes  # for commit(): where the guess goes
@@ -200,26 +177,37 @@ class CacheAware:
 
     Balance guard (the bound on a hot prefix): a replica may take one more request while its
     in-flight load + 1 <= balance_factor x mean (counting this request) + balance_slack. A
-    replica that holds the prompt's prefix (>= min_match_blocks) and is not already running
-    a request with this prefix gets `follow_slack` more requests: following a cache piles up
-    only when the same prefix arrives faster than one replica serves it (that prefix is hot
-    and gets the strict bound); a cold prefix sent away from its cache is a miss there and a
-    duplicate of its prefix evicting someone else's. The least loaded are always allowed.
+    replica whose cache holds the prompt's first m >= min_match_blocks blocks gets `follow_slack`
+    more requests, unless it is already running a request that shares half of those m blocks: following
+    a cache piles up only when the same prefix arrives faster than one replica serves it (that
+    prefix is hot and gets the strict bound); a cold prefix sent away from its cache is a miss
+    there and a duplicate of its prefix evicting someone else's. "The same prefix" is judged at
+    the depth the prompt would follow, not by its first block: behind a system prompt that every
+    request shares, a conversation's next turn follows its own history, and new conversations
+    that share only the system prompt spread. The least loaded are always allowed.
 
-    Ties (a prefix nobody holds, on idle replicas) go to the least loaded, then to the replica
-    whose cache is emptiest (fewest blocks in the table for its capacity), then by rendezvous
-    hash of the prompt's first block, never by config order: new prefixes spread over the
-    replicas, and each replica's share of prefixes fits its cache (SGLang's "smallest tree" for
-    a low match). A prefix's later requests then follow their cache.
+    A match steers only when the best one covers `follow_min_fraction` of the prompt; below that
+    the request is new content (a new conversation behind a shared system prompt), scored as if
+    nothing were cached, so it goes where load and cache room say (SGLang's cache_threshold does
+    the same; their "smallest tree" is our emptiest cache), and the shared prefix spreads to
+    every replica once instead of pulling every conversation to the first replica that cached it.
 
-    `choose` decides and counts the request in the load tracker; `commit(decision)` records
-    the prompt's blocks as guessed on the chosen replica (approximate mode, learn_from_routing),
-    off the decision path: the gateway calls it once the request is on its way."""
+    Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
+    loaded, then to the replica whose cache is emptiest (fewest blocks in the table for its
+    capacity), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    content: a new conversation's first message, not the shared system prompt), never by config
+    order: new prefixes spread over the replicas, and each replica's share of them fits its cache
+    (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
+
+    `commit(decision)` records the prompt's blocks as guessed on the chosen replica (approximate
+    mode, learn_from_routing), off the decision path: the gateway calls it once the request is
+    on its way."""
     name = "cache_aware"
 
     def __init__(self, state: RoutingState, prefill_weight: float = 1.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
-                 min_match_blocks: int = 1, learn_from_routing: bool = True) -> None:
+                 min_match_blocks: int = 1, learn_from_routing: bool = True,
+                 follow_min_fraction: float = 0.5) -> None:
         self.state = state
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
@@ -227,9 +215,10 @@ class CacheAware:
         self.balance_slack = balance_slack
         self.follow_slack = max(follow_slack, balance_slack)
         self.min_match_blocks = min_match_blocks
+        self.follow_min_fraction = follow_min_fraction
         self.learn_from_routing = learn_from_routing  # approximate mode: a routed prompt is assumed cached there
         self._name_hash: dict[str, int] = {}
-        self._turn = 0  # rank rotation for prompts shorter than a block (no prefix key)
+        self._turn = 0  # rank rotation for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
         require_candidates(candidates)
@@ -244,9 +233,12 @@ class CacheAware:
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1
+        if max(matched) * block < self.follow_min_fraction * prompt_tokens:
+            # What is cached anywhere is a small part of this prompt (a shared system prompt in front
+            # of a new conversation): it does not steer; load and cache room decide (see the class doc).
+            min_match = n_blocks + 1
         per_token_s = self.prefill_weight / tracker.model.prefill_tokens_per_s
         queue_weight = self.queue_weight
-        prefix_key = int(hashes[0]) if n_blocks else None
         # Balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1).
         mean_after = (sum(loads) + 1) / len(loads)
         strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
@@ -260,25 +252,27 @@ class CacheAware:
             allowed = range(len(loads))
             best_score = min(scores)
         else:
+            # "Already running this prefix": a request in flight there shares at least half of
+            # what this prompt would follow (a group's shared document, not only the system
+            # prompt in front of a conversation's own history).
             allowed = [i for i, load in enumerate(loads)
-                       if load <= bound or (matched[i] >= min_match and load <= follow_cap
-                                            and not tracker.running_prefix(candidates[i], prefix_key))]
+                       if load <= bound or (matched[i] >= min_match and load <= follow_cap and not
+                                            tracker.running_prefix(candidates[i], hashes, (matched[i] + 1) // 2))]
             best_score = min([scores[i] for i in allowed])
         tied = (list(allowed) if max(scores) == best_score and len(allowed) == len(scores)
                 else [i for i in allowed if scores[i] == best_score])
         why = ""
         chosen = tied[0]
         if len(tied) > 1:
-            chosen, why = self._break_tie(candidates, tied, loads, table, prefix_key)
-        name = candidates[chosen]
+            own_block = int(hashes[min(max(matched), n_blocks - 1)]) if n_blocks else None
+            chosen, why = self._break_tie(candidates, tied, loads, table, own_block)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
-        tracker.on_routed(name, prompt_tokens, cached_tokens, prefix_key)
-        return CacheAwareDecision(name, tuple(candidates), cached_tokens, prefix_key, matched, loads, scores,
+        return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
                                   allowed, why, self.balance_factor, table, hashes)
 
-    def _break_tie(self, candidates, tied: list[int], loads, table, prefix_key) -> tuple[int, str]:
+    def _break_tie(self, candidates, tied: list[int], loads, table, own_block) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
-        hash of the prefix key (a new prefix lands on a stable, spread-out replica). A step whose
+        hash of the prompt's own first block (a new prefix lands on a stable, spread-out replica). A step whose
         values are all equal (the common case: an idle pool) costs a min and a max, no list."""
         everyone = len(tied) == len(candidates)  # then tied is range(len(candidates)) in order
         values = loads if everyone else [loads[i] for i in tied]
@@ -296,12 +290,12 @@ class CacheAware:
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
             names = [candidates[i] for i in tied]
-        if prefix_key is None:  # a prompt shorter than a block: rotate
+        if own_block is None:  # a prompt shorter than a block: rotate
             self._turn += 1
-            prefix_key = self._turn
+            own_block = self._turn
         # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
         # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
-        key = prefix_key & _MASK32
+        key = own_block & _MASK32
         get, learn = self._name_hash.get, self._hash_name
         ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
         return tied[ranks.index(min(ranks))], "prefix hash"
@@ -317,20 +311,13 @@ class CacheAware:
             decision.table.insert(decision.replica, decision.hashes, guessed=True, now=self.state.clock())
 
 
-@register("cache_aware")
-def _cache_aware(params: dict, state: RoutingState):
-    values = _take(params, "cache_aware", prefill_weight=1.0, queue_weight=1.0, balance_factor=1.25,
-                   balance_slack=0.0, follow_slack=2.0, min_match_blocks=1, learn_from_routing=True)
-    return CacheAware(state, **values)
-
-
 class SessionAffinity:
     """A session (the `user` field or an affinity header) sticks to the replica it first got,
     while that replica is a candidate and within the balance bound; otherwise `fallback` picks
     and the session moves. The map is bounded (LRU) and entries expire after `ttl_s`."""
     name = "session_affinity"
 
-    def __init__(self, state: RoutingState, fallback, max_sessions: int = 100_000, ttl_s: float = 3600.0,
+    def __init__(self, state: RoutingState, fallback: Policy, max_sessions: int = 100_000, ttl_s: float = 3600.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0) -> None:
         self.state = state
         self.fallback = fallback
@@ -352,7 +339,6 @@ class SessionAffinity:
             if entry[0] in _within_bound(loads, self.balance_factor, self.balance_slack):
                 self.sticky[key] = (entry[0], now)
                 self.sticky.move_to_end(key)
-                self.state.tracker.on_routed(entry[0], len(request.prompt_token_ids), 0)
                 return RoutingDecision(entry[0], self.name, "session affinity", tuple(candidates), load=loads)
         decision = self.fallback.choose(candidates, request)
         self.sticky[key] = (decision.replica, now)
@@ -363,21 +349,10 @@ class SessionAffinity:
         return RoutingDecision(decision.replica, self.name, f"{moved} session; {decision.policy}: {decision.reason}",
                                tuple(candidates), getattr(decision, "matched_blocks", {}),
                                getattr(decision, "load", {}), getattr(decision, "scores", {}),
-                               getattr(decision, "predicted_cached_tokens", 0),
-                               getattr(decision, "prefix_key", None), decision)
+                               getattr(decision, "predicted_cached_tokens", 0), decision)
 
-    def commit(self, decision) -> None:
+    def commit(self, decision: RoutingDecision) -> None:
         """The fallback's commit, for a decision the fallback made."""
-        commit = getattr(self.fallback, "commit", None)
-        if commit is not None and getattr(decision, "inner", None) is not None:
-            commit(decision.inner)
+        if decision.inner is not None:
+            self.fallback.commit(decision.inner)
 
-
-@register("session_affinity")
-def _session_affinity(params: dict, state: RoutingState):
-    from routing.policy import make_policy
-    fallback_name = params.pop("fallback", "cache_aware")
-    fallback_params = params.pop("fallback_params", {})
-    values = _take(params, "session_affinity", max_sessions=100_000, ttl_s=3600.0, balance_factor=1.25,
-                   balance_slack=0.0)
-    return SessionAffinity(state, make_policy(fallback_name, fallback_params, state), **values)

@@ -1,10 +1,14 @@
-"""What every policy shares: the request it sees, the decision record, the state that outlives
-a policy (prefix tables, load tracker: a hot-reloaded policy keeps them), and the registry."""
+"""What every policy shares: the request it sees, the Policy protocol, the decision record, and
+the state that outlives a policy (prefix tables, load tracker: a hot-reloaded policy keeps them).
+
+A policy only decides: `choose` reads the state and returns a decision, it changes nothing.
+What a routed request does to the state (counted in the load tracker from routing to its end,
+its prompt guessed into the prefix table) is routing.attempt's job, in one place for every policy."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from routing.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from routing.load import LoadTracker
@@ -25,6 +29,32 @@ class RouteRequest:
     cache_salt: str | None = None
 
 
+class Decision(Protocol):
+    """What the gateway reads of any policy's decision (RoutingDecision's fields)."""
+    replica: str
+    policy: str
+    reason: str
+    candidates: tuple[str, ...]
+    matched_blocks: dict[str, int]
+    load: dict[str, float]
+    scores: dict[str, float]
+    predicted_cached_tokens: int
+
+    def as_log(self) -> dict: ...
+
+
+class Policy(Protocol):
+    """A routing policy: a pure decision over the candidates and the shared state."""
+    name: str
+
+    def choose(self, candidates: Sequence[str], request: RouteRequest) -> Decision:
+        """The replica for `request` among `candidates` (non-empty), and why. Changes nothing."""
+
+    def commit(self, decision: Decision) -> None:
+        """Called once the request is on its way to `decision.replica` (off the decision path):
+        what the policy learns from its own routing (approximate mode's guessed prefix)."""
+
+
 @dataclass(frozen=True)
 class RoutingDecision:
     """Plain data the gateway logs with the request (and `.replica` it routes to)."""
@@ -36,7 +66,6 @@ class RoutingDecision:
     load: dict[str, float] = field(default_factory=dict)       # in-flight requests per candidate
     scores: dict[str, float] = field(default_factory=dict)     # lower is better; seconds for cache_aware
     predicted_cached_tokens: int = 0
-    prefix_key: int | None = None  # counted as running on `replica` by tracker.on_routed
     inner: Any = None              # the wrapped policy's own decision (session_affinity's fallback)
 
     def as_log(self) -> dict:
@@ -87,27 +116,6 @@ class RoutingState:
         if len(hashes) == 0 and request.prompt_token_ids:
             hashes = block_hashes(request.prompt_token_ids, self.block_size, getattr(request, "cache_salt", None))
         return hashes
-
-
-POLICY_FACTORIES: dict[str, Callable[[dict, RoutingState], Any]] = {}
-
-
-def register(name: str):
-    def wrap(factory):
-        POLICY_FACTORIES[name] = factory
-        return factory
-    return wrap
-
-
-def make_policy(name: str, params: dict | None = None, state: RoutingState | None = None):
-    """A policy by its config name. `params`: the policy's YAML keys; `state`: shared tables and
-    load (a fresh one if omitted: fine for round_robin, tests and benches)."""
-    import routing.policies  # noqa: F401  (registers the policies)
-    try:
-        factory = POLICY_FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r} (expected one of: {', '.join(POLICY_FACTORIES)})") from None
-    return factory(dict(params or {}), state or RoutingState())
 
 
 def require_candidates(candidates: Sequence[str]) -> None:

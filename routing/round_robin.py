@@ -22,3 +22,6 @@ class RoundRobin:
         chosen = candidates[turn % len(candidates)]
         return RoutingDecision(chosen, self.name, f"turn {turn % len(candidates) + 1} of {len(candidates)}",
                                tuple(candidates))
+
+    def commit(self, decision: RoutingDecision) -> None:
+        """Learns nothing from its own routing."""

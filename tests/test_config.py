@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, load_config, parse_config
+from routing import make_policy
+from routing.params import CacheAwareParams, LeastLoadParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,10 +93,12 @@ replicas:
 
 def test_routing_policy_params_and_kv_events_decode():
     config = parse_config(ROUTING, "x.yaml")
-    assert config.routing.policy_params() == {"prefill_weight": 1.0, "queue_weight": 1.0, "balance_factor": 1.25,
-                                              "balance_slack": 0.0, "follow_slack": 2.0, "min_match_blocks": 1,
-                                              "learn_from_routing": True}
-    assert config.routing.policy_params("session_affinity")["fallback_params"] == {}  # least_load, no seed
+    # The YAML decodes straight into routing's own parameter structs (declared once, defaults there).
+    assert config.routing.policy_params() == CacheAwareParams()
+    affinity = config.routing.policy_params("session_affinity")
+    assert affinity.fallback == "least_load" and config.routing.policy_params(affinity.fallback) == LeastLoadParams()
+    policy = make_policy("session_affinity", affinity, fallback_params=config.routing.policy_params("least_load"))
+    assert policy.fallback.name == "least_load"
     assert config.replicas[0].capacity_blocks == 512
     assert config.replicas[0].kv_events.replay_endpoint == "tcp://127.0.0.1:5558"
 

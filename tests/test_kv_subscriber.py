@@ -154,9 +154,9 @@ def test_gap_is_replayed_silence_falls_back_and_events_bring_precise_mode_back(c
         assert metrics.kv_events_resyncs.labels(replica="r0")._value.get() == 1
 
         # Serving: a request prefilled new full blocks there, and no event follows.
-        _decision, ticket, _log = router.route(["r0"], "m", list(range(48)), block_hashes(list(range(48)), 16),
-                                               None, None, 4)
-        router.first_token(ticket)
+        with router.attempt(["r0"], "m", list(range(48)), block_hashes(list(range(48)), 16),
+                            None, None, 4) as attempt:
+            attempt.first_token()
         await until(lambda: not router.precise.get("r0"), "fallback to approximate")
         assert metrics.kv_events_fallbacks.labels(
             replica="r0", reason="no KV events for 0.3 s while serving")._value.get() == 1

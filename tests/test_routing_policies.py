@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from routing import POLICIES, RouteRequest, RoutingState, make_policy
+from routing import POLICIES, Attempt, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 
 
@@ -25,6 +25,13 @@ def _state(replicas, clock=None):
 
 def _request(tokens, session=None):
     return RouteRequest(model="m", prompt_token_ids=tokens, block_hashes=block_hashes(tokens), session_key=session)
+
+
+def _route(policy, state, candidates, request) -> Attempt:
+    """What the gateway does with a decision: count it (routing.attempt) and let the policy learn."""
+    decision = policy.choose(candidates, request)
+    policy.commit(decision)
+    return Attempt(state, decision, "m", len(request.prompt_token_ids), request.block_hashes)
 
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
@@ -63,10 +70,9 @@ def test_cache_aware_follows_the_longest_prefix_when_load_is_even():
     state = _state(REPLICAS, clock)
     policy = make_policy("cache_aware", {}, state)
     shared = list(range(1024))
-    first = policy.choose(REPLICAS, _request(shared + [1] * 64))
-    policy.commit(first)  # approximate mode: the routed prompt is now guessed cached there
-    state.tracker.on_first_token(first.replica, 1088, 0)
-    state.tracker.on_finished(first.replica, 1088, 0, prefix_key=first.prefix_key)
+    first = _route(policy, state, REPLICAS, _request(shared + [1] * 64))  # approximate: guessed there
+    first.first_token()
+    first.finish(None, precise=False)
     second = policy.choose(REPLICAS, _request(shared + [2] * 64))
     assert second.replica == first.replica
     assert second.matched_blocks[first.replica] == 64
@@ -82,19 +88,17 @@ def _simulate(policy_name, arrivals=2000, groups=1, replicas=REPLICAS, seed=0, s
     rng = random.Random(seed)
     prompts = [list(range(g * 10_000, g * 10_000 + 1024)) for g in range(groups)]
     counts = {r: 0 for r in replicas}
-    done: list[tuple[float, int, str, int | None]] = []
+    done: list[tuple[float, int, Attempt]] = []
     worst = 0
     for n in range(arrivals):
         clock.now += rng.expovariate(rate)
         while done and done[0][0] <= clock.now:
-            _, _, replica, prefix_key = heapq.heappop(done)
-            state.tracker.on_finished(replica, 1024, 0, started_decoding=False, prefix_key=prefix_key)
+            heapq.heappop(done)[2].finish(1024, precise=True)
         before = {r: state.tracker.in_flight(r, clock.now) for r in replicas}
-        decision = policy.choose(replicas, _request(prompts[rng.randrange(groups)] + [rng.randrange(9)] * 32))
-        if hasattr(policy, "commit"):
-            policy.commit(decision)  # what the gateway does once the request is sent
+        attempt = _route(policy, state, replicas, _request(prompts[rng.randrange(groups)] + [rng.randrange(9)] * 32))
+        decision = attempt.decision
         counts[decision.replica] += 1
-        heapq.heappush(done, (clock.now + service_s, n, decision.replica, getattr(decision, "prefix_key", None)))
+        heapq.heappush(done, (clock.now + service_s, n, attempt))
         mean_after = (sum(before.values()) + 1) / len(replicas)
         if before[decision.replica] > min(before.values()) == 0 and before[decision.replica] + 1 > 1.25 * mean_after:
             worst += 1
@@ -116,10 +120,10 @@ def test_new_prefixes_on_idle_replicas_spread_out_instead_of_piling_onto_the_fir
     policy = make_policy("cache_aware", {}, state)
     counts = {r: 0 for r in REPLICAS}
     for group in range(32):
-        decision = policy.choose(REPLICAS, _request(list(range(group * 2000, group * 2000 + 1024)) + [7] * 64))
-        policy.commit(decision)
-        state.tracker.on_finished(decision.replica, 1088, 0, started_decoding=False,
-                                  prefix_key=decision.prefix_key)  # done before the next arrives: all idle
+        attempt = _route(policy, state, REPLICAS, _request(list(range(group * 2000, group * 2000 + 1024)) + [7] * 64))
+        attempt.first_token()
+        attempt.finish(None, precise=False)  # done before the next arrives: all idle
+        decision = attempt.decision
         assert decision.matched_blocks == {r: 0 for r in REPLICAS}
         counts[decision.replica] += 1
     assert counts == {r: 8 for r in REPLICAS}, counts
@@ -142,15 +146,16 @@ def test_a_prefix_follows_its_cache_past_a_small_imbalance_unless_it_is_running_
     state = _state(REPLICAS)
     policy = make_policy("cache_aware", {}, state)
     prefix = list(range(1024))
-    first = policy.choose(REPLICAS, _request(prefix + [1] * 64))
-    policy.commit(first)
-    state.tracker.on_finished(first.replica, 1088, 0, started_decoding=False, prefix_key=first.prefix_key)
+    first = _route(policy, state, REPLICAS, _request(prefix + [1] * 64))
+    first.first_token()
+    first.finish(None, precise=False)
     holder = first.replica
     # The holder runs another prompt's (cached) request while the others idle: one over the mean
     # bound, but following the cache is a hit and spreading is a miss plus a duplicate prefix.
-    state.tracker.on_routed(holder, 1088, 1024, prefix_key=12345)
-    follow = policy.choose(REPLICAS, _request(prefix + [2] * 64))
-    assert follow.replica == holder and follow.predicted_cached_tokens == 1024, follow.as_log()
+    other = _request(list(range(5000, 6088)))
+    state.tracker.on_routed(holder, 1088, 1024, other.block_hashes)
+    follow = _route(policy, state, REPLICAS, _request(prefix + [2] * 64))
+    assert follow.replica == holder and follow.predicted_cached_tokens == 1024, follow.decision.as_log()
     # Now the holder runs this very prefix: it arrives faster than one replica serves it (hot),
     # and the strict bound sends the next one to an idle replica.
     again = policy.choose(REPLICAS, _request(prefix + [3] * 64))
@@ -169,20 +174,20 @@ def test_consistent_hash_keeps_a_prefix_on_one_replica_when_lightly_loaded():
     policy = make_policy("consistent_hash", {"key_blocks": 4}, state)
     chosen = set()
     for i in range(10):
-        d = policy.choose(REPLICAS, _request(list(range(64)) + [i] * 40))
-        state.tracker.on_finished(d.replica, 104, 0, started_decoding=False)
-        chosen.add(d.replica)
+        attempt = _route(policy, state, REPLICAS, _request(list(range(64)) + [i] * 40))
+        attempt.finish(None, precise=False)
+        chosen.add(attempt.replica)
     assert len(chosen) == 1
 
 
 def test_session_affinity_sticks_and_moves_when_its_replica_leaves():
     state = _state(REPLICAS)
     policy = make_policy("session_affinity", {"fallback": "least_load", "max_sessions": 2}, state)
-    first = policy.choose(REPLICAS, _request([1] * 20, session="alice"))
-    state.tracker.on_finished(first.replica, 20, 0, started_decoding=False)
-    again = policy.choose(REPLICAS, _request([2] * 20, session="alice"))
-    assert again.replica == first.replica and again.reason == "session affinity"
-    state.tracker.on_finished(again.replica, 20, 0, started_decoding=False)
+    first = _route(policy, state, REPLICAS, _request([1] * 20, session="alice"))
+    first.finish(None, precise=False)
+    again = _route(policy, state, REPLICAS, _request([2] * 20, session="alice"))
+    assert again.replica == first.replica and again.decision.reason == "session affinity"
+    again.finish(None, precise=False)
     others = [r for r in REPLICAS if r != first.replica]
     moved = policy.choose(others, _request([3] * 20, session="alice"))
     assert moved.replica in others and moved.reason.startswith("moved session")
@@ -195,3 +200,53 @@ def test_round_robin_keeps_its_old_call_shape():
     policy = make_policy("round_robin")
     from routing import RouteRequest
     assert [policy.choose(["a", "b"], RouteRequest(model="m")).replica for _ in range(3)] == ["a", "b", "a"]
+
+
+def _chat_traffic(policy_name: str, conversations: int = 64, seed: int = 3):
+    """Multi-turn chat behind one system prompt (16 blocks, ~30% of a first turn), Poisson arrivals
+    of new conversations, think time between turns, approximate mode (the policy learns from its own
+    routing). Returns (requests per replica, turns that went where their conversation's previous
+    turn went, later turns)."""
+    clock = Clock()
+    state = _state(REPLICAS, clock)
+    policy = make_policy(policy_name, {}, state)
+    rng = random.Random(seed)
+    system = list(range(100_000, 100_256))
+    events: list[tuple[float, int, int]] = []  # (time, conversation, turn)
+    t = 0.0
+    turns_of = {}
+    for conv in range(conversations):
+        t += rng.expovariate(2.0)
+        turns_of[conv] = rng.choice([2, 3, 4, 6, 10])
+        heapq.heappush(events, (t, conv, 0))
+    history = {conv: system + [conv * 1000 + i for i in range(rng.randrange(200, 700))] for conv in turns_of}
+    running: list[tuple[float, int, Attempt]] = []
+    counts = {r: 0 for r in REPLICAS}
+    last_replica: dict[int, str] = {}
+    followed = later = 0
+    while events:
+        clock.now, conv, turn = heapq.heappop(events)
+        while running and running[0][0] <= clock.now:
+            heapq.heappop(running)[2].finish(None, precise=False)
+        attempt = _route(policy, state, REPLICAS, _request(history[conv]))
+        attempt.first_token()
+        counts[attempt.replica] += 1
+        if turn:
+            later += 1
+            followed += attempt.replica == last_replica[conv]
+        last_replica[conv] = attempt.replica
+        service_s = 0.2 + len(history[conv]) / 4000
+        heapq.heappush(running, (clock.now + service_s, id(attempt), attempt))
+        if turn + 1 < turns_of[conv]:  # the answer and the next user message extend the conversation
+            history[conv] = history[conv] + [conv * 1000 + 700 + 97 * turn + i for i in range(rng.randrange(60, 300))]
+            heapq.heappush(events, (clock.now + service_s + rng.uniform(1.0, 6.0), conv, turn + 1))
+    return counts, followed, later
+
+
+def test_a_shared_system_prompt_neither_piles_conversations_nor_scatters_their_turns():
+    counts, followed, later = _chat_traffic("cache_aware")
+    mean = sum(counts.values()) / len(counts)
+    assert max(counts.values()) <= 1.3 * mean, counts
+    assert followed >= 0.9 * later, (followed, later)
+    rr_counts, rr_followed, _ = _chat_traffic("round_robin")
+    assert rr_followed < 0.5 * later  # the baseline scatters turns: the test can tell the difference

@@ -1,0 +1,51 @@
+"""Each policy's parameters and their defaults, declared once: the routing YAML decodes into these
+structs (gateway/config.py), and the policies are built from them (routing/registry.py).
+
+Unknown keys are errors (`forbid_unknown_fields`): a typo never falls back to a default."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+NonNegative = Annotated[float, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Factor = Annotated[float, Meta(ge=1)]
+
+
+class RoundRobinParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class LeastLoadParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    seed: int | None = None          # power-of-two sampling; None: a fresh seed per start
+
+
+class ConsistentHashParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    virtual_nodes: PositiveInt = 100
+    epsilon: NonNegative = 0.25      # a replica over (1 + epsilon) x mean load is skipped
+    key_blocks: PositiveInt = 4      # the ring key: the hash of the prompt's first key_blocks blocks
+
+
+class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """score = prefill_weight x uncached-prefill seconds + queue_weight x queueing seconds."""
+    prefill_weight: NonNegative = 1.0
+    queue_weight: NonNegative = 1.0
+    balance_factor: Factor = 1.25    # a replica over factor x mean in-flight (+ slack) gets no new request
+    balance_slack: NonNegative = 0.0  # ... when it already runs this prefix (a hot prefix spreads out)
+    follow_slack: NonNegative = 2.0  # extra room for a replica that only holds the prefix in its cache
+    min_match_blocks: Annotated[int, Meta(ge=0)] = 1   # shorter matches count as no match
+    # A cached prefix steers the choice only when it covers at least this fraction of the prompt
+    # (SGLang's cache_threshold idea): a system prompt in front of a new conversation does not
+    # pull every conversation to the replica that cached it first; a conversation's history does.
+    follow_min_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.5
+    learn_from_routing: bool = True  # approximate mode: a routed prompt is assumed cached there
+
+
+class SessionAffinityParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fallback: str = "cache_aware"    # policy for a request without a session, or a session that moves
+    max_sessions: PositiveInt = 100_000
+    ttl_s: Annotated[float, Meta(gt=0)] = 3600.0
+    balance_factor: Factor = 1.25
+    balance_slack: NonNegative = 0.0
