@@ -12,7 +12,6 @@ import structlog
 from replica.memory import bound_heap_retention, page_out_file_mappings, return_freed_heap
 
 ROLES = ("mixed", "prefill", "decode")
-IMPLEMENTED_ROLES = ("mixed",)
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -45,7 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="publish KV events (vLLM's shape) on this ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
     parser.add_argument("--kv-events-replay-endpoint", default=None,
                         help="ZMQ ROUTER endpoint answering replay requests for missed event batches")
-    parser.add_argument("--role", choices=ROLES, default="mixed")
+    parser.add_argument("--role", choices=ROLES, default="mixed",
+                        help="disaggregated prefill/decode (vLLM's kv_transfer_params protocol): 'prefill' "
+                             "answers do_remote_decode requests and serves their KV blocks, 'decode' pulls "
+                             "them for do_remote_prefill requests, 'mixed' does both; all serve plain requests")
+    parser.add_argument("--kv-lease-duration-s", type=float, default=30.0,
+                        help="prefill side: how long a finished request's KV blocks stay pinned for a pull "
+                             "(vLLM's kv_lease_duration)")
+    parser.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
+                        help="decode side: bound on one KV pull (connect, request, all bytes)")
+    parser.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail",
+                        help="decode side: a failed pull fails the request (vLLM's default) or computes the "
+                             "prompt here; a request may choose with kv_transfer_params.kv_load_failure_policy")
+    parser.add_argument("--kv-transfer-host", default=None,
+                        help="prefill side: the remote_host decode replicas pull from (default: --host, or "
+                             "127.0.0.1 when --host is a wildcard address)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return parser
@@ -53,9 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.role not in IMPLEMENTED_ROLES:
-        print(f"kvgate replica: --role {args.role} is not implemented yet (only: "
-              f"{', '.join(IMPLEMENTED_ROLES)})", file=sys.stderr)
+    if args.kv_lease_duration_s <= 0 or args.kv_pull_timeout_s <= 0:
+        print("kvgate replica: --kv-lease-duration-s and --kv-pull-timeout-s must be > 0", file=sys.stderr)
         return 2
     if min(args.threads, args.max_waiting, args.max_running, args.block_size, args.max_num_batched_tokens) < 1:
         print("kvgate replica: --threads, --max-waiting, --max-running, --block-size and "
@@ -148,7 +160,8 @@ async def _serve(args, loaded, defaults, log) -> int:
                         max_model_len_requested=args.max_model_len is not None,
                         max_waiting=args.max_waiting, max_running=args.max_running,
                         kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
-                        max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events)
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
+                        kv_lease_s=args.kv_lease_duration_s)
     except ValueError as exc:
         if kv_events is not None:
             kv_events.close()
@@ -161,7 +174,9 @@ async def _serve(args, loaded, defaults, log) -> int:
                     hint="one sequence must fit the KV cache: raise --kv-cache-gb for a longer context")
     engine.start()
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
-                           vocab_size=loaded.config.vocab_size, sampling_defaults=defaults)
+                           vocab_size=loaded.config.vocab_size, sampling_defaults=defaults, role=args.role,
+                           kv_pull_timeout_s=args.kv_pull_timeout_s,
+                           kv_load_failure_policy=args.kv_load_failure_policy)
     # handler_cancellation: a client that hangs up on a non-streamed request cancels the handler,
     # whose `finally` aborts the sequence. On shutdown, in-flight requests get a few seconds to end
     # (a gateway in front resumes the rest elsewhere).
@@ -177,7 +192,9 @@ async def _serve(args, loaded, defaults, log) -> int:
         await site.start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
-        log.info("replica_ready", model=loaded.name, url=url, role=args.role)
+        server.kv.advertised = (args.kv_transfer_host or _reachable(args.host), port)
+        log.info("replica_ready", model=loaded.name, url=url, role=args.role,
+                 kv_engine_id=server.kv.engine_id if args.role != "mixed" else None)
         print(f"replica ready model={loaded.name} url={url}", flush=True)
         # Start-up is over: library pages touched only while importing and loading go back to the
         # page cache (serving faults back the few it uses).
@@ -186,9 +203,15 @@ async def _serve(args, loaded, defaults, log) -> int:
         log.info("replica_stopping")
     finally:
         await runner.cleanup()
+        await server.kv.close()
         engine.shutdown()
         if kv_events is not None:
             kv_events.close()
         # See gateway/server.py: join executor threads before uvloop closes the loop.
         await asyncio.get_running_loop().shutdown_default_executor()
     return 0
+
+
+def _reachable(host: str) -> str:
+    """The address others reach this replica at: a wildcard listen address is not one."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host

@@ -12,6 +12,14 @@ Thread boundary: the asyncio side touches only `_inbox`/`_aborted` under `_cond`
 and block pool belong to the worker, which holds `_state_lock` while it changes them so a reader
 (`cached_block_hashes`) sees a consistent pool. Events cross to the loop with
 `loop.call_soon_threadsafe`. A failed forward fails the requests in that step only.
+
+Disaggregation (see protocol/kv_transfer.py): a request submitted with `kv_pin_id` (prefill side)
+keeps its blocks when it finishes, pinned in `pins` until a pull claims them or the lease runs out;
+the final event carries the pin. A pull copies pinned blocks from the loop's side (nothing writes
+a pinned block) and hands them back with `release_pinned`; the worker releases them, so the pool
+keeps one writer. A request submitted with `staged_kv` (decode side) carries prompt blocks already
+pulled; the worker writes them into the blocks admission gave it, before the step's forward, so
+the copy never races a forward.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -27,9 +36,11 @@ import torch
 
 from protocol.errors import BadRequest, Overloaded, Unavailable
 from replica.block_pool import BlockPool
+from replica.kv_codec import StagedKV, unpack_blocks
+from replica.kv_pins import DEFAULT_LEASE_S, KVPin, PinTable, prompt_digest
 from replica.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner, StepItem, num_blocks_for_budget
 from replica.sampler import SamplingParams, sample
-from replica.scheduler import Scheduler, Sequence
+from replica.scheduler import RemoteKV, Scheduler, Sequence
 from tokenization.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("kvgate.replica.engine")
@@ -47,7 +58,9 @@ class TokenEvent:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token ID that ended it
     error: BaseException | None = None
-    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache (or pulled)
+    kv_pin: KVPin | None = None   # final event of a kv_pin_id request: its blocks, pinned for a pull
+    kv_staged_stale: bool = False  # staged KV could not be used: the prompt was computed here
 
 
 class RequestStream:
@@ -90,6 +103,9 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     emitted_chars: int = 0        # text released to the client so far
+    pin_id: str | None = None     # pin the blocks under this id when finished (prefill side)
+    staged: StagedKV | None = None  # pulled prompt blocks to write at admission (decode side)
+    staged_stale: bool = False
 
     @property
     def request_id(self) -> str:
@@ -101,7 +117,7 @@ class Engine:
                  max_waiting: int = 256, max_running: int = 64, dtype: torch.dtype | None = None,
                  kv_cache_gb: float = DEFAULT_KV_CACHE_GB, num_blocks: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = 512,
-                 kv_events=None, max_model_len_requested: bool = False):
+                 kv_events=None, max_model_len_requested: bool = False, kv_lease_s: float = DEFAULT_LEASE_S):
         """`max_model_len`: the model's context, or the user's `--max-model-len` when
         `max_model_len_requested`; see `fit_context` for how it meets the KV cache's size."""
         self.model = model
@@ -120,6 +136,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_running)
         self.kv_events = kv_events
+        self.pins = PinTable(kv_lease_s)  # under _state_lock
+        self._unpinned: list[list[int]] = []  # claimed pins' blocks for the worker to release (under _cond)
+        self.kv_staged_loaded_total = 0   # decode side: requests admitted with pulled KV
+        self.kv_staged_stale_total = 0    # ... whose pulled KV came too late to use (recomputed)
         self._stop_token_ids = frozenset(tokenizer.stop_token_ids or [])
         self._cond = threading.Condition()
         self._state_lock = threading.Lock()
@@ -171,12 +191,37 @@ class Engine:
         with self._state_lock:
             return self.pool.cached_hashes()
 
+    def local_prefix_blocks(self, block_hashes: list[int]) -> int:
+        """How many of these leading blocks the prefix cache holds now (touched, so they are the
+        last to be evicted before the request that needs them arrives)."""
+        with self._state_lock:
+            hit = self.pool.longest_cached_prefix(block_hashes)
+            self.pool.touch(hit)
+            return len(hit)
+
+    def claim_pin(self, pin_id: str) -> KVPin | None:
+        """Take a pin for a pull: it no longer expires; its blocks stay allocated (so unwritten)
+        until `release_pinned`."""
+        with self._state_lock:
+            return self.pins.claim(pin_id)
+
+    def peek_pin(self, pin_id: str) -> KVPin | None:
+        with self._state_lock:
+            return self.pins.peek(pin_id)
+
+    def release_pinned(self, block_ids: list[int]) -> None:
+        with self._cond:
+            self._unpinned.append(block_ids)
+            self._cond.notify()
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, *, kv_pin_id: str | None = None,
+               staged_kv: StagedKV | None = None) -> RequestStream:
         """Queue a request; call from the event loop. Raises Overloaded when the queue is full and
         BadRequest past the context (the server caps max_tokens before: this guards direct callers).
         KV blocks are taken as the sequence grows, not reserved for max_tokens up front; a pool that
-        runs short preempts the newest sequence (see Scheduler)."""
+        runs short preempts the newest sequence (see Scheduler). `kv_pin_id`: pin the blocks when it
+        finishes (the prefill side of P/D); `staged_kv`: prompt blocks pulled from a prefill replica."""
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise BadRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
@@ -185,9 +230,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         request_id = f"seq-{next(self._ids)}"
         stream = RequestStream(request_id, prompt_token_ids, loop)
-        request = _Request(Sequence(request_id, list(prompt_token_ids), params.max_tokens, cache_salt),
-                           params, stream, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                           params.make_generator())
+        sequence = Sequence(request_id, list(prompt_token_ids), params.max_tokens, cache_salt)
+        if staged_kv is not None:
+            sequence.remote_kv = RemoteKV(staged_kv.first_block)
+        request = _Request(sequence, params, stream, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                           params.make_generator(), pin_id=kv_pin_id, staged=staged_kv)
         with self._cond:
             if self._stopping:
                 raise Unavailable("The replica is shutting down.")
@@ -213,16 +260,27 @@ class Engine:
 
     # -- worker thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        idle = False  # the last schedule ran nothing (waiting requests wait for blocks): no spinning
         with torch.inference_mode():
             while True:
+                with self._state_lock:
+                    next_expiry_s = self.pins.next_expiry_s()  # the worker wakes to free expired pins
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._aborted or self.scheduler.has_work()):
-                        self._cond.wait()
+                    while not (self._stopping or self._inbox or self._aborted or self._unpinned
+                               or (self.scheduler.has_work() and not idle)):
+                        wait_s = None if next_expiry_s is None else next_expiry_s - time.monotonic()
+                        if wait_s is not None and wait_s <= 0:
+                            break
+                        self._cond.wait(wait_s)
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, deque()
                     aborted, self._aborted = self._aborted, set()
+                    unpinned, self._unpinned = self._unpinned, []
                 with self._state_lock:
+                    for block_ids in unpinned:
+                        self.pool.release(block_ids)
+                    self._expire_pins()
                     for request in inbox:
                         self._admit(request)
                     for request_id in aborted:
@@ -231,6 +289,7 @@ class Engine:
                             self.scheduler.finish(request.sequence)
                             request.stream._push_threadsafe(TokenEvent(None, "", FINISH_ABORT))
                     chunks = self.scheduler.schedule()
+                idle = not chunks
                 if chunks:
                     self._step(chunks)
                 self._publish_events()
@@ -249,6 +308,7 @@ class Engine:
     def _step(self, chunks) -> None:
         items = [StepItem(c.token_ids, c.start, c.sequence.block_ids, c.samples) for c in chunks]
         try:
+            self._load_staged(chunks)
             logits = self.runner.execute(items)
             sampling = [c for c in chunks if c.samples]
             greedy = logits.argmax(-1).tolist()  # one batched argmax covers every greedy row
@@ -271,9 +331,42 @@ class Engine:
             for chunk in sampling:
                 request = self._requests[chunk.sequence.request_id]
                 self.generation_tokens_total += 1
-                if self._append_token(request, chunk.sequence.output_token_ids[-1]):
-                    del self._requests[request.request_id]
-                    self.scheduler.finish(chunk.sequence)
+                self._append_token(request, chunk.sequence.output_token_ids[-1])
+
+    def _expire_pins(self) -> None:
+        for pin in self.pins.expire(time.monotonic()):
+            self.pool.release(pin.block_ids)
+            log.warning("kv_pin_expired", remote_request_id=pin.pin_id, blocks=len(pin.block_ids),
+                        lease_s=self.pins.lease_s, hint="no decode replica pulled these blocks in time")
+
+    def _load_staged(self, chunks) -> None:
+        """Write pulled prompt blocks into the blocks admission just gave their requests."""
+        for chunk in chunks:
+            remote = chunk.sequence.remote_kv
+            if remote is None or (remote.target_block_ids is None and not remote.stale):
+                continue
+            request = self._requests[chunk.sequence.request_id]
+            if remote.stale:
+                self.kv_staged_stale_total += 1
+                request.staged_stale = True
+                log.info("kv_staged_stale", request_id=request.request_id, first_block=remote.first_block)
+            else:
+                unpack_blocks(self.runner.kv_caches, request.staged, remote.skip_blocks, remote.target_block_ids)
+                self.kv_staged_loaded_total += 1
+            chunk.sequence.remote_kv = None
+            request.staged = None  # the bytes go now
+
+    def _finish(self, request: _Request) -> KVPin | None:
+        """Forget a finished request; free its blocks, or pin them for a pull."""
+        del self._requests[request.request_id]
+        sequence = request.sequence
+        if request.pin_id is None:
+            self.scheduler.finish(sequence)
+            return None
+        num_tokens = sequence.num_computed_tokens  # KV written so far (vLLM's remote_num_tokens)
+        block_ids = self.scheduler.detach(sequence)
+        return self.pins.add(request.pin_id, block_ids, num_tokens, len(sequence.prompt_token_ids),
+                             prompt_digest(sequence.prompt_token_ids, sequence.cache_salt), time.monotonic())
 
     def _publish_events(self) -> None:
         with self._state_lock:
@@ -289,8 +382,8 @@ class Engine:
         for request in pending:
             request.stream._push_threadsafe(TokenEvent(None, "", error=error))
 
-    def _append_token(self, request: _Request, token_id: int) -> bool:
-        """Emit one token's event; True when it finished the request."""
+    def _append_token(self, request: _Request, token_id: int) -> None:
+        """Emit one token's event; a token that finishes the request also frees (or pins) its blocks."""
         params = request.params
         sequence = request.sequence
         request.detokenizer.add(token_id)
@@ -311,9 +404,10 @@ class Engine:
         release_to = len(text) if finish else len(text) - held_back_chars(text, params.stop)
         delta = text[request.emitted_chars:max(request.emitted_chars, release_to)]
         request.emitted_chars += len(delta)
+        pin = self._finish(request) if finish is not None else None
         request.stream._push_threadsafe(TokenEvent(token_id, delta, finish, stop_reason,
-                                                   num_cached_tokens=sequence.num_cached_tokens or 0))
-        return finish is not None
+                                                   num_cached_tokens=sequence.num_cached_tokens or 0,
+                                                   kv_pin=pin, kv_staged_stale=request.staged_stale))
 
 
 def fit_context(max_model_len: int, num_blocks: int, block_size: int, *, requested: bool,

@@ -12,6 +12,13 @@ its tokens except the block holding the last token (at least one token is comput
 Blocks are committed to the cache as they fill; a finished sequence's blocks stay cached until
 evicted. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are released and it returns to the front of the waiting queue.
+
+Remote KV (the decode side of P/D): a sequence may enter with its prompt's blocks from
+`RemoteKV.first_block` on already pulled from a prefill replica. At admission it takes all its
+prompt blocks at once, counts the whole prompt but its last token as computed (that token is
+recomputed to sample, as vLLM does) and names the fresh blocks the engine fills before the step's
+forward. If the local prefix cache lost blocks the pull relied on, the pulled KV is stale and the
+prompt is computed here. A preempted sequence always recomputes.
 """
 from __future__ import annotations
 
@@ -26,6 +33,18 @@ class RequestTooLarge(ValueError):
     """Prompt + max_tokens cannot fit the whole KV pool: it would never run."""
 
 
+@dataclass
+class RemoteKV:
+    """Prompt blocks [first_block, end of prompt) pulled from elsewhere (the scheduler's view: the
+    bytes stay with the engine). Admission sets `target_block_ids` (the local blocks to fill, in
+    order) and `skip_blocks` (pulled blocks not needed: the cache held more than at pull time), or
+    `stale`."""
+    first_block: int
+    target_block_ids: list[int] | None = None
+    skip_blocks: int = 0
+    stale: bool = False
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -38,6 +57,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of committed (full) blocks
     num_cached_tokens: int | None = None   # prompt tokens reused at first admission
     num_preemptions: int = 0
+    remote_kv: RemoteKV | None = None      # set by the engine; cleared once admission decided
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +120,14 @@ class Scheduler:
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
         self._free(sequence)
+
+    def detach(self, sequence: Sequence) -> list[int]:
+        """Remove a finished sequence but keep its blocks allocated: the caller now owns their
+        references (a prefill replica pins them for a pull) and releases them later."""
+        self.running.remove(sequence)
+        block_ids, sequence.block_ids = sequence.block_ids, []
+        sequence.block_hashes = []
+        return block_ids
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -186,6 +214,11 @@ class Scheduler:
         reusable = (len(tokens) - 1) // self.block_size   # never the block holding the last token
         hashes = self._hash_chain(tokens[:reusable * self.block_size], sequence.cache_salt)
         hit_blocks = self.pool.longest_cached_prefix(hashes)
+        remote = sequence.remote_kv
+        if remote is not None and remote.target_block_ids is None and not remote.stale:
+            if len(hit_blocks) >= remote.first_block and sequence.num_preemptions == 0:
+                return self._admit_remote(sequence, tokens, hashes, hit_blocks, remote)
+            remote.stale = True  # blocks the pull relied on were evicted meanwhile: compute here
         cached_tokens = len(hit_blocks) * self.block_size
         count = min(len(tokens) - cached_tokens, budget)
         new_blocks = self._blocks_for(cached_tokens + count) - len(hit_blocks)
@@ -201,6 +234,28 @@ class Scheduler:
             sequence.num_cached_tokens = cached_tokens
             self.stats.prefix_cache_queries += len(sequence.prompt_token_ids)
             self.stats.prefix_cache_hits += cached_tokens
+        return True
+
+    def _admit_remote(self, sequence: Sequence, tokens: list[int], hashes: list[int], hit_blocks: list[int],
+                      remote: RemoteKV) -> bool:
+        """Admit with every prompt block allocated and all but the last token computed."""
+        new_blocks = self._blocks_for(len(tokens)) - len(hit_blocks)
+        reclaimed = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
+        if new_blocks + reclaimed > self.pool.num_free:
+            return False
+        self.pool.acquire(hit_blocks)
+        fresh = self.pool.allocate(new_blocks)
+        sequence.block_ids = hit_blocks + fresh
+        sequence.block_hashes = hashes[:len(hit_blocks)]
+        sequence.num_computed_tokens = len(tokens) - 1
+        remote.target_block_ids = fresh
+        remote.skip_blocks = len(hit_blocks) - remote.first_block
+        # vLLM reports local + transferred tokens as cached; its prefix-cache stats count local hits.
+        sequence.num_cached_tokens = len(tokens)
+        self.stats.prefix_cache_queries += len(sequence.prompt_token_ids)
+        self.stats.prefix_cache_hits += len(hit_blocks) * self.block_size
+        # Committed now, filled by the engine before this step's forward (nothing reads them first).
+        self._commit_full_blocks(sequence)
         return True
 
     def _hash_chain(self, tokens: list[int], cache_salt: str | None) -> list[int]:

@@ -3,6 +3,7 @@
 A thin shell around the Engine: validate at the edge (protocol/requests.py), tokenize (off the
 loop when long), submit, and shape the engine's TokenEvents into vLLM's response and SSE chunk
 shapes (including `return_token_ids`). Errors render once, in protocol/http.py's middleware.
+`kv_transfer_params` (disaggregated prefill/decode) are handled by replica/kv_transfer.py.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from aiohttp import web
 
 from protocol.errors import BadRequest, InternalError, ModelNotFound
 from protocol.http import openai_errors
+from protocol.kv_transfer import PULL_PATH, FailurePolicy, KVTransferParams, KVTransferStats, decode_kv_transfer_params
 from protocol.requests import (AnyRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                check_honoured, decode_chat, decode_completion, fit_max_tokens,
                                message_dicts, single_prompt, stop_strings)
 from protocol.sse import DONE_EVENT, event
 from replica.engine import FINISH_ABORT, Engine, TokenEvent
 from replica.generation_config import SamplingDefaults
+from replica.kv_transfer import DEFAULT_PULL_TIMEOUT_S, KVTransfer
 from replica.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.sampler import SamplingParams
 
@@ -57,7 +60,8 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0)
 
 class ReplicaServer:
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, source: str, vocab_size: int,
-                 sampling_defaults: SamplingDefaults | None = None):
+                 sampling_defaults: SamplingDefaults | None = None, role: str = "mixed",
+                 kv_pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S, kv_load_failure_policy: FailurePolicy = "fail"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -67,6 +71,9 @@ class ReplicaServer:
         self.defaults = sampling_defaults or SamplingDefaults()
         self.created = int(time.time())
         self.metrics = ReplicaMetrics(model_name, engine)
+        self.role = role
+        self.kv = KVTransfer(engine, self.metrics, role=role, pull_timeout_s=kv_pull_timeout_s,
+                             failure_policy=kv_load_failure_policy)
         # Kept gzipped (2.2 MB -> 0.6 MB for SmolLM2): fetched once per gateway start, resident always.
         self._tokenizer_payload_gz = gzip.compress(tokenizer.to_payload(), 6)
 
@@ -82,6 +89,7 @@ class ReplicaServer:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/kvgate/tokenizer", self.tokenizer_payload)
         app.router.add_get("/kvgate/cache", self.cache_contents)
+        app.router.add_post(PULL_PATH, self.kv.handle_pull)
         # Registration probes of other routers (SGLang router, vLLM router): they read these.
         for path in ("/server_info", "/get_server_info"):
             app.router.add_get(path, self.server_info)
@@ -122,7 +130,8 @@ class ReplicaServer:
                               "max_total_num_tokens": engine.pool.num_blocks * engine.block_size,
                               "max_running_requests": engine.scheduler.max_num_seqs,
                               "chunked_prefill_size": engine.scheduler.max_num_batched_tokens,
-                              "disaggregation_mode": "null", "engine": "kvgate",
+                              "disaggregation_mode": "null" if self.role == "mixed" else self.role,
+                              "engine": "kvgate", "kv_engine_id": self.kv.engine_id,
                               "vocab_size": self.vocab_size, "weight_bytes": engine.weight_bytes,
                               "kv_cache_bytes": engine.runner.kv_cache_bytes,
                               "num_requests_running": engine.num_running,
@@ -174,7 +183,7 @@ class ReplicaServer:
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         return await self._generate(request, body, prompt_ids, params, arrival_s, chat=False,
-                                    echo_text=echo_text)
+                                    echo_text=echo_text, kv_params=decode_kv_transfer_params(raw))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival_s = time.monotonic()
@@ -184,15 +193,20 @@ class ReplicaServer:
         self._check_model(body.model)
         prompt_ids = await self._off_loop(_chat_chars(body), self._render_chat, body, False)
         params = self._sampling_params(body, len(prompt_ids))
-        return await self._generate(request, body, prompt_ids, params, arrival_s, chat=True)
+        return await self._generate(request, body, prompt_ids, params, arrival_s, chat=True,
+                                    kv_params=decode_kv_transfer_params(raw))
 
     async def _generate(self, request: web.Request, body: AnyRequest, prompt_ids: list[int],
-                        params: SamplingParams, arrival_s: float, *, chat: bool,
-                        echo_text: str = "") -> web.StreamResponse:
-        stream = self.engine.submit(prompt_ids, params, cache_salt=body.cache_salt)
+                        params: SamplingParams, arrival_s: float, *, chat: bool, echo_text: str = "",
+                        kv_params: KVTransferParams | None = None) -> web.StreamResponse:
+        pin_id, staged, kv_stats = None, None, None
+        if kv_params is not None:  # P/D: pin for a pull (prefill leg) or pull first (decode leg)
+            pin_id, staged, kv_stats = await self.kv.prepare(request, kv_params, prompt_ids, body.cache_salt)
+        stream = self.engine.submit(prompt_ids, params, cache_salt=body.cache_salt, kv_pin_id=pin_id,
+                                    staged_kv=staged)
         finished = False
         try:
-            shaper = _Shaper(self, body, request, prompt_ids, chat)
+            shaper = _Shaper(self, body, request, prompt_ids, chat, kv_stats)
             events = _timed(stream, self.metrics, arrival_s)
             if not body.stream:
                 output_ids, text, last = [], [echo_text], None
@@ -304,8 +318,10 @@ class _Shaper:
     """vLLM's response and chunk shapes for one request."""
 
     def __init__(self, server: ReplicaServer, body: AnyRequest, request: web.Request,
-                 prompt_ids: list[int], chat: bool):
+                 prompt_ids: list[int], chat: bool, kv_stats: KVTransferStats | None = None):
         self.chat = chat
+        self.kv = server.kv
+        self.kv_stats = kv_stats
         self.prompt_ids = prompt_ids
         self.cached_tokens = 0  # from the engine's events: prompt tokens reused from the prefix cache
         self.return_token_ids = bool(body.return_token_ids)
@@ -339,6 +355,8 @@ class _Shaper:
         if self.return_token_ids:
             choice["token_ids"] = [ev.token_id]
         chunk = {**self.base, "choices": [choice]}
+        if ev.finish_reason is not None:  # vLLM 0.33: the final chunk carries kv_transfer_params
+            self._add_kv_fields(chunk, ev)
         if self.continuous_usage:
             chunk["usage"] = usage_of(len(self.prompt_ids), completion_tokens, self.cached_tokens)
         return chunk
@@ -358,14 +376,27 @@ class _Shaper:
                        "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": stop_reason, "token_ids": token_ids}
-            return {**self.base, "object": "chat.completion", "choices": [choice], "service_tier": None,
-                    "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                    "prompt_token_ids": prompt_ids, "kv_transfer_params": None}
+            return self._add_kv_fields(
+                {**self.base, "object": "chat.completion", "choices": [choice], "service_tier": None,
+                 "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+                 "prompt_token_ids": prompt_ids, "kv_transfer_params": None}, last)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
                   "token_ids": token_ids}
-        return {**self.base, "choices": [choice], "usage": usage, "system_fingerprint": None,
-                "kv_transfer_params": None}
+        return self._add_kv_fields({**self.base, "choices": [choice], "usage": usage, "system_fingerprint": None,
+                                    "kv_transfer_params": None}, last)
+
+    def _add_kv_fields(self, response: dict, last: TokenEvent | None) -> dict:
+        """A prefill leg's answer gets the decode leg's kv_transfer_params; a decode leg's answer
+        `kv_transfer_stats` (bytes moved, seconds) for the gateway's log."""
+        if last is not None and last.kv_pin is not None:
+            response["kv_transfer_params"] = self.kv.decode_params(last.kv_pin)
+        if self.kv_stats is not None:
+            stats = self.kv_stats
+            if last is not None and last.kv_staged_stale:
+                stats = msgspec.structs.replace(stats, recomputed=True, error="pulled KV unused (stale)")
+            response["kv_transfer_stats"] = msgspec.to_builtins(stats)
+        return response
 
 
 @web.middleware

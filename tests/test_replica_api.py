@@ -4,8 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx2 as httpx  # ships with the openai SDK (test extra)
@@ -18,7 +16,7 @@ from replica.engine import Engine
 from replica.loader import load_model
 from replica.model_runner import ModelRunner, greedy_generate
 from replica.sampler import SamplingParams
-from tests.servers import REPO_ROOT, run_replica
+from tests.servers import run_replica
 
 TIMEOUT = httpx.Timeout(30.0)
 
@@ -402,13 +400,6 @@ def test_sigterm_stops_the_replica_cleanly():
         assert "replica ready model=tiny url=" + server.url in server.logs()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(20) == 0, server.logs()
-
-
-def test_unimplemented_role_is_rejected_with_a_clear_message():
-    result = subprocess.run([sys.executable, "-m", "replica", "--model", "tiny", "--role", "prefill"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "--role prefill is not implemented yet" in result.stderr
 
 
 def test_echo_prefixes_the_prompt_text(client):
