@@ -38,9 +38,10 @@ from protocol.errors import BadRequest, Overloaded, Unavailable
 from replica.block_pool import BlockPool
 from replica.kv_codec import StagedKV, unpack_blocks
 from replica.kv_pins import DEFAULT_LEASE_S, KVPin, PinTable, prompt_digest
-from replica.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner, StepItem, num_blocks_for_budget
+from replica.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner, StepItem, fit_context, num_blocks_for_budget
 from replica.sampler import SamplingParams, sample
 from replica.scheduler import RemoteKV, Scheduler, Sequence
+from replica.stop_strings import find_stop_string, held_back_chars
 from tokenization.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("kvgate.replica.engine")
@@ -408,44 +409,3 @@ class Engine:
         request.stream._push_threadsafe(TokenEvent(token_id, delta, finish, stop_reason,
                                                    num_cached_tokens=sequence.num_cached_tokens or 0,
                                                    kv_pin=pin, kv_staged_stale=request.staged_stale))
-
-
-def fit_context(max_model_len: int, num_blocks: int, block_size: int, *, requested: bool,
-                block_bytes: int) -> int:
-    """The context the replica serves. One sequence must fit the KV cache, else it could never
-    finish (vLLM checks the same at start). A model context larger than the cache is capped to the
-    cache (the caller logs it); a `--max-model-len` the user set that does not fit is refused with
-    both numbers, as vLLM refuses to start."""
-    cache_tokens = num_blocks * block_size
-    if max_model_len <= cache_tokens:
-        return max_model_len
-    if not requested:
-        return cache_tokens
-    needed_blocks = -(-max_model_len // block_size)
-    needed_gb = needed_blocks * block_bytes / (1 << 30) * 1.0001  # printed rounded: never short of it
-    raise ValueError(
-        f"--max-model-len {max_model_len} needs {needed_blocks} KV cache blocks for one sequence, but "
-        f"the KV cache holds {num_blocks} blocks ({cache_tokens} tokens). Raise --kv-cache-gb to at least "
-        f"{needed_gb:.4g} or lower --max-model-len to at most {cache_tokens}.")
-
-
-def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
-    """Earliest stop string in text that ends after `search_from` (what was released is stop-free,
-    so only its last len(stop)-1 characters can start a match)."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        index = text.find(stop, max(0, search_from - len(stop) + 1))
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
-    return best
-
-
-def held_back_chars(text: str, stops: list[str]) -> int:
-    """How many trailing characters could be the start of a stop string (and must wait)."""
-    held = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), held, -1):  # stops are short: cheap
-            if text.endswith(stop[:size]):
-                held = size
-                break
-    return held

@@ -34,6 +34,25 @@ def num_blocks_for_budget(config: LlamaConfig, block_size: int, dtype: torch.dty
     return int(kv_cache_gb * (1 << 30)) // kv_bytes_per_block(config, block_size, dtype)
 
 
+def fit_context(max_model_len: int, num_blocks: int, block_size: int, *, requested: bool,
+                block_bytes: int) -> int:
+    """The context the replica serves. One sequence must fit the KV cache, else it could never
+    finish (vLLM checks the same at start). A model context larger than the cache is capped to the
+    cache (the caller logs it); a `--max-model-len` the user set that does not fit is refused with
+    both numbers, as vLLM refuses to start."""
+    cache_tokens = num_blocks * block_size
+    if max_model_len <= cache_tokens:
+        return max_model_len
+    if not requested:
+        return cache_tokens
+    needed_blocks = -(-max_model_len // block_size)
+    needed_gb = needed_blocks * block_bytes / (1 << 30) * 1.0001  # printed rounded: never short of it
+    raise ValueError(
+        f"--max-model-len {max_model_len} needs {needed_blocks} KV cache blocks for one sequence, but "
+        f"the KV cache holds {num_blocks} blocks ({cache_tokens} tokens). Raise --kv-cache-gb to at least "
+        f"{needed_gb:.4g} or lower --max-model-len to at most {cache_tokens}.")
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: LlamaConfig, num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype | None = None):

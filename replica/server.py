@@ -2,7 +2,7 @@
 
 A thin shell around the Engine: validate at the edge (protocol/requests.py), tokenize (off the
 loop when long), submit, and shape the engine's TokenEvents into vLLM's response and SSE chunk
-shapes (including `return_token_ids`). Errors render once, in protocol/http.py's middleware.
+shapes (replica/shapes.py). Errors render once, in protocol/http.py's middleware.
 `kv_transfer_params` (disaggregated prefill/decode) are handled by replica/kv_transfer.py.
 """
 from __future__ import annotations
@@ -18,16 +18,17 @@ from aiohttp import web
 
 from protocol.errors import BadRequest, InternalError, ModelNotFound
 from protocol.http import openai_errors
-from protocol.kv_transfer import PULL_PATH, FailurePolicy, KVTransferParams, KVTransferStats, decode_kv_transfer_params
+from protocol.kv_transfer import PULL_PATH, FailurePolicy, KVTransferParams, decode_kv_transfer_params
 from protocol.requests import (AnyRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                check_honoured, decode_chat, decode_completion, fit_max_tokens,
                                message_dicts, single_prompt, stop_strings)
 from protocol.sse import DONE_EVENT, event
-from replica.engine import FINISH_ABORT, Engine, TokenEvent
+from replica.engine import FINISH_ABORT, Engine
 from replica.generation_config import SamplingDefaults
 from replica.kv_transfer import DEFAULT_PULL_TIMEOUT_S, KVTransfer
 from replica.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.sampler import SamplingParams
+from replica.shapes import ResponseShaper
 
 # Texts longer than this are tokenized / templated in a worker thread, not on the event loop.
 OFF_LOOP_CHARS = 4096
@@ -51,11 +52,6 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ReplicaServer:
@@ -206,7 +202,7 @@ class ReplicaServer:
                                     staged_kv=staged)
         finished = False
         try:
-            shaper = _Shaper(self, body, request, prompt_ids, chat, kv_stats)
+            shaper = ResponseShaper(self, body, request, prompt_ids, chat, kv_stats)
             events = _timed(stream, self.metrics, arrival_s)
             if not body.stream:
                 output_ids, text, last = [], [echo_text], None
@@ -312,91 +308,6 @@ async def _timed(stream, metrics: ReplicaMetrics, arrival_s: float):
             metrics.e2e_request_latency.observe(now_s - arrival_s)
             metrics.request_success(ev.finish_reason)
         yield ev
-
-
-class _Shaper:
-    """vLLM's response and chunk shapes for one request."""
-
-    def __init__(self, server: ReplicaServer, body: AnyRequest, request: web.Request,
-                 prompt_ids: list[int], chat: bool, kv_stats: KVTransferStats | None = None):
-        self.chat = chat
-        self.kv = server.kv
-        self.kv_stats = kv_stats
-        self.prompt_ids = prompt_ids
-        self.cached_tokens = 0  # from the engine's events: prompt tokens reused from the prefix cache
-        self.return_token_ids = bool(body.return_token_ids)
-        options = body.stream_options
-        self.include_usage = bool(options and options.include_usage)
-        self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        self.base = {"id": prefix + request["request_id"],
-                     "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": server.model_name}
-
-    def opening_chunks(self) -> list[dict]:
-        if not self.chat:
-            return []
-        chunk = {**self.base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]}
-        if self.return_token_ids:
-            chunk["prompt_token_ids"] = self.prompt_ids
-        return [chunk]
-
-    def token_chunk(self, ev: TokenEvent, text: str, completion_tokens: int) -> dict:
-        self.cached_tokens = ev.num_cached_tokens
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason,
-                      "stop_reason": ev.stop_reason}
-            if self.return_token_ids and completion_tokens == 1:
-                choice["prompt_token_ids"] = self.prompt_ids
-        if self.return_token_ids:
-            choice["token_ids"] = [ev.token_id]
-        chunk = {**self.base, "choices": [choice]}
-        if ev.finish_reason is not None:  # vLLM 0.33: the final chunk carries kv_transfer_params
-            self._add_kv_fields(chunk, ev)
-        if self.continuous_usage:
-            chunk["usage"] = usage_of(len(self.prompt_ids), completion_tokens, self.cached_tokens)
-        return chunk
-
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self.base, "choices": [], "usage": usage_of(len(self.prompt_ids), completion_tokens,
-                                                              self.cached_tokens)}
-
-    def full_response(self, text: str, output_ids: list[int], last: TokenEvent | None) -> dict:
-        finish_reason = last.finish_reason if last else None
-        stop_reason = last.stop_reason if last else None
-        token_ids = output_ids if self.return_token_ids else None
-        prompt_ids = self.prompt_ids if self.return_token_ids else None
-        usage = usage_of(len(self.prompt_ids), len(output_ids), last.num_cached_tokens if last else 0)
-        if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                       "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason, "token_ids": token_ids}
-            return self._add_kv_fields(
-                {**self.base, "object": "chat.completion", "choices": [choice], "service_tier": None,
-                 "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                 "prompt_token_ids": prompt_ids, "kv_transfer_params": None}, last)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
-                  "token_ids": token_ids}
-        return self._add_kv_fields({**self.base, "choices": [choice], "usage": usage, "system_fingerprint": None,
-                                    "kv_transfer_params": None}, last)
-
-    def _add_kv_fields(self, response: dict, last: TokenEvent | None) -> dict:
-        """A prefill leg's answer gets the decode leg's kv_transfer_params; a decode leg's answer
-        `kv_transfer_stats` (bytes moved, seconds) for the gateway's log."""
-        if last is not None and last.kv_pin is not None:
-            response["kv_transfer_params"] = self.kv.decode_params(last.kv_pin)
-        if self.kv_stats is not None:
-            stats = self.kv_stats
-            if last is not None and last.kv_staged_stale:
-                stats = msgspec.structs.replace(stats, recomputed=True, error="pulled KV unused (stale)")
-            response["kv_transfer_stats"] = msgspec.to_builtins(stats)
-        return response
 
 
 @web.middleware

@@ -192,8 +192,9 @@ def test_second_request_sharing_a_prefix_pulls_only_the_missing_blocks(http, pre
     stats = two["kv_transfer_stats"]
     assert (stats["blocks_local"], stats["blocks_pulled"]) == (5, 2)
     assert stats["kv_transfer_bytes"] == 2 * per_block
-    assert metric(http, decode.url, "kvgate:kv_transfer_bytes_total", direction="received") - received_before == 2 * per_block
-    assert metric(http, prefill.url, "kvgate:kv_transfer_bytes_total", direction="sent") - sent_before == 2 * per_block
+    received = metric(http, decode.url, "kvgate:kv_transfer_bytes_total", direction="received") - received_before
+    sent = metric(http, prefill.url, "kvgate:kv_transfer_bytes_total", direction="sent") - sent_before
+    assert received == sent == 2 * per_block
     # vLLM's usage: prompt tokens served without computing them here (local + pulled)
     assert two["usage"]["prompt_tokens_details"]["cached_tokens"] == len(second)
 
