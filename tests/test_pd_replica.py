@@ -389,3 +389,78 @@ def test_a_mixed_replica_serves_both_legs(http, mixed):
     assert ids == expected
     # its own cache already held the full blocks: only the last (partial) block moved
     assert (final["kv_transfer_stats"]["blocks_local"], final["kv_transfer_stats"]["blocks_pulled"]) == (2, 1)
+
+
+# -- the pieces, without processes -----------------------------------------------------------------------
+def _scheduler_with_cached(prompt: list[int], block_size: int = 4, num_blocks: int = 16):
+    """A scheduler whose prefix cache holds `prompt`'s full blocks (one finished request)."""
+    from replica.block_pool import BlockPool
+    from replica.scheduler import Scheduler, Sequence
+    pool = BlockPool(num_blocks, block_size)
+    scheduler = Scheduler(pool, max_num_batched_tokens=64)
+    warm = Sequence("warm", prompt, max_tokens=1)
+    scheduler.add(warm)
+    chunks = scheduler.schedule()
+    scheduler.update(chunks, {id(warm): 7})
+    scheduler.finish(warm)
+    return pool, scheduler
+
+
+def test_remote_admission_computes_all_but_the_last_token_and_skips_blocks_held_locally():
+    from replica.scheduler import RemoteKV, Sequence
+    prompt = list(range(1, 19))                       # 18 tokens, 4-token blocks: 4 full + 2
+    pool, scheduler = _scheduler_with_cached(prompt[:8])  # 2 blocks cached here
+    sequence = Sequence("d", prompt, max_tokens=3)
+    sequence.remote_kv = RemoteKV(first_block=1)      # the pull saw 1 block locally; now 2 are
+    scheduler.add(sequence)
+    (chunk,) = scheduler.schedule()
+    remote = sequence.remote_kv
+    assert (chunk.start, chunk.num_tokens, chunk.samples) == (17, 1, True)  # only the last token runs
+    assert remote.skip_blocks == 1 and len(remote.target_block_ids) == 3 and not remote.stale
+    assert sequence.block_ids[2:] == remote.target_block_ids and len(sequence.block_ids) == 5
+    assert len(sequence.block_hashes) == 4 and len(pool.cached_hashes()) == 4  # pulled full blocks committed
+    assert sequence.num_cached_tokens == 18                                     # vLLM: local + transferred
+    assert scheduler.stats.prefix_cache_hits == 8                                # local hits only
+
+
+def test_remote_admission_is_stale_when_blocks_the_pull_relied_on_were_evicted():
+    from replica.scheduler import RemoteKV, Sequence
+    prompt = list(range(1, 19))
+    pool, scheduler = _scheduler_with_cached(prompt[:8], num_blocks=8)
+    hog = Sequence("hog", list(range(100, 128)), max_tokens=1)  # 7 of 8 blocks: evicts a cached one
+    scheduler.add(hog)
+    scheduler.update(scheduler.schedule(), {})
+    scheduler.finish(hog)
+    assert block_hashes(prompt[:8], 4)[1] not in pool.cached_hashes()
+    sequence = Sequence("d", prompt, max_tokens=3)
+    sequence.remote_kv = RemoteKV(first_block=2)
+    scheduler.add(sequence)
+    (chunk,) = scheduler.schedule()
+    assert sequence.remote_kv.stale and sequence.remote_kv.target_block_ids is None
+    assert (chunk.start, chunk.num_tokens) == (4, 14)  # computed here, after the block still cached
+
+
+def test_pin_table_claims_once_and_expires_by_lease():
+    from replica.kv_pins import PinTable
+    pins = PinTable(lease_s=30)
+    pins.add("a", [1, 2], 20, 20, 123, now_s=100.0)
+    pins.add("b", [3], 5, 5, 456, now_s=110.0)
+    assert (len(pins), pins.num_blocks, pins.next_expiry_s()) == (2, 3, 130.0)
+    assert pins.claim("a").block_ids == [1, 2] and pins.claim("a") is None
+    assert pins.expire(now_s=139.9) == [] and [p.pin_id for p in pins.expire(now_s=140.0)] == ["b"]
+    assert (len(pins), pins.num_blocks, pins.claimed_total, pins.expired_total) == (0, 0, 1, 1)
+
+
+def test_packed_blocks_unpack_to_the_same_tensors():
+    import torch
+
+    from replica.kv_codec import StagedKV, pack_blocks, unpack_blocks
+    shape = (8, 4, 2, 3)  # blocks, block size, kv heads, head dim
+    source = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
+    target = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
+    data = bytearray(pack_blocks(source, [5, 1, 6]))
+    assert len(data) == 3 * 2 * 2 * 4 * 2 * 3 * 4
+    unpack_blocks(target, StagedKV(first_block=0, num_blocks=3, data=data), skip_blocks=1, block_ids=[2, 7])
+    for (k, v), (k2, v2) in zip(source, target):
+        assert torch.equal(k2[2], k[1]) and torch.equal(k2[7], k[6]) and torch.equal(v2[7], v[6])
+        assert not k2[5].any()  # the skipped block was not written
