@@ -1,133 +1,89 @@
-"""Cache-aware routing against the baselines, on real replicas, in one run.
+"""Cache-aware routing against sglang-router and round robin, on real replicas, in one run.
 
-4 built-in tiny replicas (`python -m replica --model tiny`) with a small KV budget each (so a
-replica cannot hold every prefix and eviction matters), behind the gateway. Workload: G prefix
-groups x R requests, each a P-token shared prefix + an S-token unique suffix, in a seeded random
-order with Poisson arrivals. For each policy the replicas are restarted (caches start empty) and
-the same schedule is replayed; printed per policy:
+4 built-in tiny replicas (`python -m replica --model tiny`), each with a small KV cache
+(`--capacity-blocks`, so a replica holds a fraction of the traffic's working set and eviction
+matters), serve every workload of bench.workloads (a chat, b agent, c trace, d groups) once per
+router; the replicas are restarted for each run (caches start empty) and every router gets the
+same requests at the same arrival times, streamed:
 
-  - cluster prefix-cache hit rate: the replicas' own counters, sum of vllm:prefix_cache_hits
-    deltas / sum of vllm:prefix_cache_queries deltas (tokens)
-  - max/mean requests per replica (vllm:request_success deltas)
-  - TTFT p50/p99 (client side, streams) and throughput
-and once: the oracle hit rate, one LRU cache of the summed size replaying the same arrival order.
+    kvgate cache_aware precise      the gateway with policy cache_aware, replicas' KV events in its YAML
+    kvgate cache_aware approximate  the same without KV events (it learns from its own routing)
+    kvgate round_robin              the baseline
+    sglang-router cache_aware       sglang-router 0.3.2 with its defaults (bench-only venv, see bench.routers)
 
-    .venv/bin/python -m bench.cache_routing            # 32 groups x 16, 1,024 + 64 tokens, 8 out, 10 req/s: ~4 min
-    .venv/bin/python -m bench.cache_routing --quick    # 8 groups x 8: ~1.5 min (too few requests for stable figures)
-    .venv/bin/python -m bench.cache_routing --policies cache_aware,cache_aware_approx   # precise vs approximate
+Per workload and router: the cluster prefix-cache hit rate from the replicas' own counters (sum of
+vllm:prefix_cache_hits deltas / sum of vllm:prefix_cache_queries deltas), TTFT p50/p99 (client
+side: first body byte of the stream), max/mean requests per replica (vllm:request_success deltas);
+once per workload, the oracle: one LRU cache of the replicas' summed capacity replaying the same
+arrival order at block granularity. Targets, per workload and kvgate mode: hit rate at least
+sglang-router's and at least 0.9 of the oracle, TTFT p50 and p99 at most sglang-router's,
+max/mean at most 1.3.
+
+    .venv/bin/python -m bench.cache_routing                  # every workload and router: ~15 min
+    .venv/bin/python -m bench.cache_routing --quick          # small workloads: ~4 min, machinery only
+    .venv/bin/python -m bench.cache_routing --workloads c --trace ../shared/traces/other.jsonl
+    .venv/bin/python -m bench.cache_routing --routers precise,sglang --keep-logs /tmp/cr
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
+import concurrent.futures
 import contextlib
-import random
+import json
+import signal
 import sys
 import tempfile
 import time
 import urllib.request
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
-from routing.hashing import block_hashes
+from bench.loadgen import RequestResult
+from bench.replay import replay
+from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
+from bench.workloads import WORKLOADS, Selection, Workload, prompt_token_ids, simulate_lru, tiny_bundle
 from tests.servers import free_port, run_gateway, run_replica
 
 BLOCK = 16
 TINY_KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x 2 layers x 16 tokens x 2 kv heads x dim 16 x fp32
-REPLICAS = 4
-POLICIES = ("round_robin", "least_load", "consistent_hash", "cache_aware")  # + "cache_aware_approx" (no KV events)
+MODEL = "tiny"
+ROUTERS = {
+    "precise": "kvgate cache_aware precise",
+    "approximate": "kvgate cache_aware approximate",
+    "round_robin": "kvgate round_robin",
+    "sglang": "sglang-router cache_aware",
+}
+KVGATE_MODES = ("precise", "approximate")
+PRECISE_WAIT_S = 20.0
 
 
 @dataclass
 class Settings:
-    groups: int = 32
-    per_group: int = 16
-    prefix_tokens: int = 1024
-    suffix_tokens: int = 64
-    max_tokens: int = 8
-    rate_rps: float = 10.0
-    # A replica holds 8 groups' prefixes (512 blocks) plus its requests in flight (68+ blocks each):
-    # the 4 together hold all 32 prefixes, one alone a quarter of them.
+    replicas: int = 4
+    # 1,024 blocks = 16k tokens = 8 full contexts of the tiny model: one replica holds about a
+    # third of a workload's working set, the four together all of it (bench.workloads --stats).
     capacity_blocks: int = 1024
-    seed: int = 0
-    balance_slack: float = 0.0     # cache_aware's routing.cache_aware.balance_slack
+    stream: bool = True
+    keep_logs: str | None = None
 
 
-def workload(s: Settings) -> list[tuple[float, int, list[int]]]:
-    """(arrival offset s, group, prompt token IDs), seeded; groups interleaved at random."""
-    rng = random.Random(s.seed)
-    prefixes = [[rng.randrange(10, 250) for _ in range(s.prefix_tokens)] for _ in range(s.groups)]
-    order = [g for g in range(s.groups) for _ in range(s.per_group)]
-    rng.shuffle(order)
-    t, out = 0.0, []
-    for g in order:
-        t += rng.expovariate(s.rate_rps)
-        out.append((t, g, prefixes[g] + [rng.randrange(10, 250) for _ in range(s.suffix_tokens)]))
-    return out
+@dataclass
+class RunResult:
+    router: str
+    hit_rate: float
+    served: list[int]
+    ttfts_s: list[float]
+    failures: int
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
 
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.served) / len(self.served) if self.served else 0.0
+        return max(self.served) / mean if mean else float("nan")
 
-def oracle_hit_rate(requests, capacity_blocks: int) -> float:
-    """One LRU cache of `capacity_blocks` (the replicas' sum), same arrival order, prefix hits."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit_tokens = query_tokens = 0
-    for _t, _g, prompt in requests:
-        hashes = block_hashes(prompt, BLOCK)
-        hit = 0
-        for h in hashes:
-            if h not in cache:
-                break
-            hit += 1
-        hit_tokens += hit * BLOCK
-        query_tokens += len(prompt)
-        for h in hashes:
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-    return hit_tokens / query_tokens
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-async def replay(url: str, requests, max_tokens: int) -> tuple[list[float], float, int]:
-    """Send the schedule (open loop); returns TTFTs, wall seconds, failures."""
-    ttfts: list[float] = []
-    failures = 0
-    timeout = aiohttp.ClientTimeout(total=300)
-
-    async def one(session, offset: float, prompt: list[int], start: float) -> None:
-        nonlocal failures
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        sent = time.perf_counter()
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        try:
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    failures += 1
-                    await resp.read()
-                    return
-                first = None
-                async for line in resp.content:
-                    if first is None and line.startswith(b"data: {"):
-                        first = time.perf_counter() - sent
-                if first is not None:
-                    ttfts.append(first)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            failures += 1
-
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024)) as session:
-        start = time.perf_counter()
-        await asyncio.gather(*(one(session, t, prompt, start) for t, _g, prompt in requests))
-        return ttfts, time.perf_counter() - start, failures
+    def ttft_ms(self, p: float) -> float:
+        return pct(self.ttfts_s, p) * 1000
 
 
 def pct(values: list[float], p: float) -> float:
@@ -137,41 +93,111 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-def run_policy(policy: str, s: Settings, requests, workdir: Path, keep_logs: str | None = None) -> dict:
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` (with these labels) in url's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def replica_counters(urls: list[str]) -> list[tuple[float, float, float]]:
+    return [(metric(u, "vllm:prefix_cache_hits_total"), metric(u, "vllm:prefix_cache_queries_total"),
+             metric(u, "vllm:request_success_total")) for u in urls]
+
+
+def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list[tuple[str, str]]]:
+    """s.replicas tiny replicas publishing KV events (for every router alike), started in parallel."""
     kv_gb = s.capacity_blocks * TINY_KV_BYTES_PER_BLOCK / (1 << 30)
-    with contextlib.ExitStack() as stack:
-        endpoints = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(REPLICAS)]
-        replicas = [stack.enter_context(run_replica("tiny", extra_args=[
+    endpoints = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(s.replicas)]
+
+    def start(pub_replay):
+        pub, replay_ep = pub_replay
+        return stack.enter_context(run_replica(MODEL, extra_args=[
             "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay_ep,
-            "--log-level", "warning"])) for pub, replay_ep in endpoints]
-        precise = policy == "cache_aware"
-        name = "cache_aware" if policy.startswith("cache_aware") else policy
-        port = free_port()
-        entries = "".join(
-            f"  - name: r{i}\n    url: {r.url}\n    model: tiny\n    capacity_blocks: {s.capacity_blocks}\n"
-            + (f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{rep}'}}\n" if precise else "")
-            for i, (r, (pub, rep)) in enumerate(zip(replicas, endpoints)))
-        config = workdir / f"{policy}.yaml"
-        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, level: {'info' if keep_logs else 'warning'}}}\n"
-                          f"routing:\n  policy: {name}\n  scrape_interval_s: 0.5\n"
-                          f"  cache_aware: {{balance_slack: {s.balance_slack}}}\nreplicas:\n{entries}")
-        gateway = stack.enter_context(run_gateway(config, port))
-        before = [(metric(r.url, "vllm:prefix_cache_hits_total"), metric(r.url, "vllm:prefix_cache_queries_total"),
-                   metric(r.url, "vllm:request_success_total")) for r in replicas]
-        ttfts, wall_s, failures = asyncio.run(replay(gateway.url, requests, s.max_tokens))
-        after = [(metric(r.url, "vllm:prefix_cache_hits_total"), metric(r.url, "vllm:prefix_cache_queries_total"),
-                  metric(r.url, "vllm:request_success_total")) for r in replicas]
-        if keep_logs:
-            Path(keep_logs).mkdir(parents=True, exist_ok=True)
-            (Path(keep_logs) / f"{policy}.gateway.log").write_text(gateway.logs())
+            "--log-level", "warning"]))
+
+    # Each start waits for its replica's health; the waits overlap (ExitStack's append is atomic).
+    with concurrent.futures.ThreadPoolExecutor(s.replicas) as pool:
+        replicas = list(pool.map(start, endpoints))
+    # Unwinding stops them one by one; a SIGTERM to all first makes those waits overlap too.
+    stack.callback(lambda: [r.proc.poll() is None and r.proc.send_signal(signal.SIGTERM) for r in replicas])
+    for replica in replicas:
+        warm_up(replica.url)
+    return replicas, endpoints
+
+
+def warm_up(url: str) -> None:
+    """A fresh replica's first prefill and decode steps are slow (lazy allocations): two short
+    requests, of text no workload uses, before the counters are read."""
+    for words in (8, 160):
+        body = {"model": MODEL, "prompt": " W" * words, "max_tokens": 4, "temperature": 0.0}
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+
+
+def kvgate_config(router: str, replicas, endpoints, port: int, log_level: str) -> str:
+    """The YAML a user writes: a policy and the replicas (with their KV events in precise mode)."""
+    policy = "round_robin" if router == "round_robin" else "cache_aware"
+    entries = "".join(
+        f"  - name: r{i}\n    url: {r.url}\n    model: {MODEL}\n"
+        + (f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{rep}'}}\n" if router == "precise" else "")
+        for i, (r, (pub, rep)) in enumerate(zip(replicas, endpoints)))
+    return (f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, level: {log_level}}}\n"
+            f"routing:\n  policy: {policy}\nreplicas:\n{entries}")
+
+
+def wait_precise(gateway_url: str, count: int) -> bool:
+    """Every replica in precise mode (its KV event stream subscribed); polled, bounded."""
+    deadline = time.monotonic() + PRECISE_WAIT_S
+    while time.monotonic() < deadline:
+        if all(metric(gateway_url, "kvgate_routing_mode", replica=f"r{i}") == 1 for i in range(count)):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sglang_python: Path | None) -> RunResult:
+    notes = []
+    verbose = s.keep_logs is not None
+    with contextlib.ExitStack() as stack:
+        replicas, endpoints = start_replicas(stack, s)
+        urls = [r.url for r in replicas]
+        if router == "sglang":
+            front = stack.enter_context(run_sglang_router(sglang_python, urls, log_level="info" if verbose else "warn"))
+        else:
+            port = free_port()
+            config = workdir / f"{workload.name.replace(':', '_')}.{router}.yaml"
+            config.write_text(kvgate_config(router, replicas, endpoints, port, "info" if verbose else "warning"))
+            front = stack.enter_context(run_gateway(config, port))
+            if router == "precise" and not wait_precise(front.url, len(replicas)):
+                notes.append("precise mode not confirmed before traffic (kvgate_routing_mode != 1)")
+        before = replica_counters(urls)
+        results, wall_s = replay(front.url, workload.requests, model=MODEL, stream=s.stream)
+        after = replica_counters(urls)
+        if router == "precise" and (fallbacks := metric(front.url, "kvgate_kv_events_fallbacks_total")):
+            notes.append(f"{fallbacks:.0f} KV event fallbacks to approximate")
+        if s.keep_logs:
+            out = Path(s.keep_logs)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{workload.name.replace(':', '_')}.{router}.log").write_text(front.logs())
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
-    served = [a[2] - b[2] for a, b in zip(after, before)]
-    mean = sum(served) / len(served)
-    return {"policy": policy, "hit_rate": hits / queries if queries else 0.0, "served": served,
-            "max_over_mean": max(served) / mean if mean else float("nan"),
-            "ttft_p50_ms": pct(ttfts, 50) * 1000, "ttft_p99_ms": pct(ttfts, 99) * 1000,
-            "rps": len(ttfts) / wall_s, "failures": failures}
+    served = [round(a[2] - b[2]) for a, b in zip(after, before)]
+    failed = [r for r in results if r.status != 200 or r.error]
+    if failed:
+        notes.append(f"first failure: {failed[0].error or failed[0].status}")
+    return RunResult(router, hits / queries if queries else 0.0, served, ok_ttfts(results), len(failed), wall_s, notes)
+
+
+def ok_ttfts(results: list[RequestResult]) -> list[float]:
+    return [r.ttfb_s for r in results if r.status == 200 and not r.error and r.ttfb_s is not None]
 
 
 def target(name: str, value: float, op: str, goal: float, unit: str = "") -> str:
@@ -179,58 +205,113 @@ def target(name: str, value: float, op: str, goal: float, unit: str = "") -> str
     return f"target {name}: {value:.3g}{unit} (goal {op} {goal:.3g}{unit}) {'met' if ok else 'short'}"
 
 
+def workload_targets(key: str, runs: dict[str, RunResult], oracle_hit: float) -> list[str]:
+    """The acceptance, per kvgate mode that ran: against sglang-router (when it ran) and the oracle."""
+    lines = []
+    sglang = runs.get("sglang")
+    for mode in KVGATE_MODES:
+        r = runs.get(mode)
+        if r is None:
+            continue
+        prefix = f"{key}_{mode}"
+        if sglang:
+            lines.append(target(f"{prefix}_hit_rate_vs_sglang", r.hit_rate, ">=", sglang.hit_rate))
+        lines.append(target(f"{prefix}_hit_vs_oracle", r.hit_rate / oracle_hit if oracle_hit else float("nan"), ">=", 0.9))
+        if sglang:
+            lines.append(target(f"{prefix}_ttft_p50_ms", r.ttft_ms(50), "<=", sglang.ttft_ms(50)))
+            lines.append(target(f"{prefix}_ttft_p99_ms", r.ttft_ms(99), "<=", sglang.ttft_ms(99)))
+        lines.append(target(f"{prefix}_max_over_mean", r.max_over_mean, "<=", 1.3))
+    return lines
+
+
+def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: Settings) -> str:
+    rows = [f"{workload.name}: {workload.description}; {len(workload.requests)} requests over "
+            f"{workload.duration_s:.0f} s; {s.replicas} tiny replicas x {s.capacity_blocks} KV blocks",
+            f"  {'router':<32}{'hit rate':>9}{'/oracle':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'max/mean':>10}"
+            f"{'failed':>8}  served per replica"]
+    for router, r in runs.items():
+        rows.append(f"  {ROUTERS[router]:<32}{r.hit_rate:>9.1%}{r.hit_rate / oracle_hit if oracle_hit else float('nan'):>9.2f}"
+                    f"{r.ttft_ms(50):>8.1f}ms{r.ttft_ms(99):>8.1f}ms{r.max_over_mean:>10.2f}{r.failures:>8}  {r.served}"
+                    + "".join(f"\n      note: {n}" for n in r.notes))
+    rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8 groups x 8 requests")
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rate", type=float, default=None, help="arrivals per second")
+    parser.add_argument("--workloads", default="a,b,c,d", help="a=chat, b=agent, c=trace, d=groups (default: all)")
+    parser.add_argument("--routers", default=",".join(ROUTERS), help=f"of {','.join(ROUTERS)} (default: all)")
+    parser.add_argument("--trace", default=None, help="Mooncake JSONL for workload c, or 'chat' for the chat "
+                                                       "workload as a trace (default: ../shared/traces/mooncake_synthetic_trace.jsonl)")
+    parser.add_argument("--trace-requests", type=int, default=None, help="first N records of the trace (default 600)")
+    parser.add_argument("--quick", action="store_true", help="small workloads (~4 min): the machinery, not figures")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--balance-slack", type=float, default=None, help="cache_aware balance_slack")
-    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica")
-    parser.add_argument("--keep-logs", default=None, help="copy each gateway's log into this directory")
+    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default 1024)")
+    parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
+    parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
+                                                          "(kvgate logs at info: one record per request with its routing)")
     args = parser.parse_args(argv)
-    s = Settings(seed=args.seed)
-    if args.quick:
-        s.groups, s.per_group, s.capacity_blocks = 8, 8, 320
-    if args.rate:
-        s.rate_rps = args.rate
-    if args.balance_slack is not None:
-        s.balance_slack = args.balance_slack
+    routers = args.routers.split(",")
+    keys = args.workloads.split(",")
+    for bad in [r for r in routers if r not in ROUTERS] + [k for k in keys if k not in WORKLOADS]:
+        parser.error(f"unknown router or workload {bad!r}")
+    s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs)
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
-    requests = workload(s)
-    oracle = oracle_hit_rate(requests, REPLICAS * s.capacity_blocks)
-    print(f"workload: {s.groups} groups x {s.per_group} requests, {s.prefix_tokens}-token prefix + "
-          f"{s.suffix_tokens}-token suffix, {s.max_tokens} output tokens, Poisson {s.rate_rps:g} req/s "
-          f"(seed {s.seed}); {REPLICAS} tiny replicas x {s.capacity_blocks} KV blocks", flush=True)
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="kvgate-cache-bench-") as tmp:
-        for policy in args.policies.split(","):
-            started = time.monotonic()
-            results[policy] = run_policy(policy, s, requests, Path(tmp), args.keep_logs)
-            r = results[policy]
-            print(f"  {policy:<20} hit {r['hit_rate']:6.1%}  served {r['served']}  max/mean {r['max_over_mean']:.2f}  "
-                  f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  {r['rps']:5.1f} req/s  "
-                  f"failures {r['failures']}  ({time.monotonic() - started:.0f} s)", flush=True)
-    print(f"  {'oracle (one LRU)':<20} hit {oracle:6.1%}")
+    selection = Selection()
+    if args.quick:
+        selection.quick()
+    selection.seed(args.seed)
+    if args.trace:
+        selection.trace.path = args.trace
+    if args.trace_requests:
+        selection.trace.requests = args.trace_requests
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    console = Console(highlight=False)
+    sglang_python = None
+    if "sglang" in routers:
+        try:
+            sglang_python = sglang_router_python(say=console.print)
+        except RouterUnavailable as exc:
+            console.print(f"sglang-router {exc.__class__.__name__}: {exc}\nsglang-router is left out: "
+                          f"no sglang-router rows, no targets against it")
+            routers.remove("sglang")
+
+    bundle = tiny_bundle()
+    workloads = {key: selection.build(key) for key in keys}
+    oracles = {key: simulate_lru([prompt_token_ids(r, bundle) for r in w.requests],
+                                 s.replicas * s.capacity_blocks).hit_rate for key, w in workloads.items()}
+    results: dict[str, dict[str, RunResult]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvgate-cache-bench-") as tmp, \
+            Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+                     TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("cache_routing", total=len(workloads) * len(routers))
+        for key, workload in workloads.items():
+            results[key] = {}
+            for router in routers:
+                progress.update(task, description=f"{workload.name} · {ROUTERS[router]} "
+                                                  f"({len(workload.requests)} requests, {workload.duration_s:.0f} s)")
+                started = time.monotonic()
+                r = results[key][router] = run_router(router, workload, s, Path(tmp), sglang_python)
+                progress.advance(task)
+                progress.console.print(
+                    f"  {workload.name:<10} {ROUTERS[router]:<32} hit {r.hit_rate:6.1%}  "
+                    f"TTFT p50 {r.ttft_ms(50):6.1f} p99 {r.ttft_ms(99):7.1f} ms  max/mean {r.max_over_mean:.2f}  "
+                    f"failed {r.failures}  ({time.monotonic() - started:.0f} s)", soft_wrap=True)
     print()
-    print(f"{'policy':<20}{'hit rate':>10}{'max/mean':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'req/s':>8}")
-    for policy, r in results.items():
-        print(f"{policy:<20}{r['hit_rate']:>10.1%}{r['max_over_mean']:>10.2f}{r['ttft_p50_ms']:>9.1f}ms"
-              f"{r['ttft_p99_ms']:>9.1f}ms{r['rps']:>8.1f}")
-    print(f"{'oracle':<20}{oracle:>10.1%}")
-    print()
-    for policy, r in results.items():
-        print(f"figure {policy}_hit_rate: {r['hit_rate']:.3f}")
-    print(f"figure oracle_hit_rate: {oracle:.3f}")
-    ca, rr = results.get("cache_aware"), results.get("round_robin")
-    if ca:
-        print(target("cache_aware_hit_vs_oracle", ca["hit_rate"] / oracle, ">=", 0.9))
-        print(target("cache_aware_max_over_mean", ca["max_over_mean"], "<=", 1.3))
-    if ca and rr:
-        print(target("cache_aware_hit_vs_round_robin", ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else
-                     float("inf"), ">=", 2.0, "x"))
-        print(target("cache_aware_ttft_p99_ms", ca["ttft_p99_ms"], "<", rr["ttft_p99_ms"]))
+    for key, workload in workloads.items():
+        print(table(workload, results[key], oracles[key], s))
+        print()
+    for key, workload in workloads.items():
+        name = WORKLOADS[key]
+        for router, r in results[key].items():
+            print(f"figure {name}_{router}_hit_rate: {r.hit_rate:.3f}")
+        print(f"figure {name}_oracle_hit_rate: {oracles[key]:.3f}")
+    for key in workloads:
+        for line in workload_targets(WORKLOADS[key], results[key], oracles[key]):
+            print(line)
     return 0
 
 

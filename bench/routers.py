@@ -1,0 +1,92 @@
+"""Other routers, installed and launched the way their users do, for side-by-side benches.
+
+sglang-router (`SGLANG_ROUTER`) lives in a bench-only virtualenv (`BENCH_VENV`, git-ignored), never
+in the project's dependencies: created and filled with pip on first use, with a message saying so.
+It is launched as its README says (`python -m sglang_router.launch_router --worker-urls ...
+--policy ...`) with its own defaults for every routing knob; only addresses are pinned to
+loopback (its Prometheus listener defaults to 0.0.0.0:29000).
+
+    python = sglang_router_python()                 # raises RouterUnavailable with the reason
+    with run_sglang_router(python, [r.url for r in replicas]) as router:
+        ... router.url ...
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from tests.servers import REPO_ROOT, ServerProcess, ServerStartError, free_port, run_process
+
+SGLANG_ROUTER_VERSION = "0.3.2"
+SGLANG_ROUTER = f"sglang-router=={SGLANG_ROUTER_VERSION}"
+BENCH_VENV = REPO_ROOT / ".kvgate-cache" / "bench-venv"
+INSTALL_TIMEOUT_S = 900.0
+READY_POLL_S = 0.2  # another process's worker registration has no event to await: poll, bounded
+
+
+class RouterUnavailable(RuntimeError):
+    """The router cannot be installed or started here; the message says why."""
+
+
+def _installed_version(python: Path) -> str | None:
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", "from importlib.metadata import version; print(version('sglang-router'))"],
+                           capture_output=True, text=True, timeout=60)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def sglang_router_python(say: Callable[[str], None] = print) -> Path:
+    """The bench venv's python with sglang-router installed; installs it on first use."""
+    python = BENCH_VENV / "bin" / "python"
+    if _installed_version(python) == SGLANG_ROUTER_VERSION:
+        return python
+    say(f"installing {SGLANG_ROUTER} into {BENCH_VENV.relative_to(REPO_ROOT)} (bench-only virtualenv, "
+        f"not a kvgate dependency; first use only, about a minute)")
+    steps = ([sys.executable, "-m", "venv", str(BENCH_VENV)],
+             [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--quiet", SGLANG_ROUTER])
+    for argv in steps:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RouterUnavailable(f"{' '.join(argv[:4])}: {exc}") from None
+        if done.returncode != 0:
+            raise RouterUnavailable(f"{' '.join(argv[-3:])} failed: {(done.stderr or done.stdout).strip()[-800:]}")
+    version = _installed_version(python)
+    if version != SGLANG_ROUTER_VERSION:
+        raise RouterUnavailable(f"installed sglang-router reports version {version!r}, wanted {SGLANG_ROUTER_VERSION}")
+    return python
+
+
+def _ready_workers(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/readiness", timeout=2) as response:
+            return int(json.loads(response.read()).get("healthy_workers", 0))
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return 0
+
+
+@contextlib.contextmanager
+def run_sglang_router(python: Path, worker_urls: Sequence[str], *, policy: str = "cache_aware",
+                      log_level: str = "warn", ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
+    """sglang-router in front of `worker_urls`; yields once every worker is registered and healthy
+    (its /health answers before registration finishes: /readiness counts the workers)."""
+    port, metrics_port = free_port(), free_port()
+    argv = [str(python), "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", log_level]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="sglang-router") as router:
+        deadline = time.monotonic() + ready_timeout_s
+        while _ready_workers(router.url) < len(worker_urls):
+            if router.proc.poll() is not None or time.monotonic() > deadline:
+                raise ServerStartError(f"sglang-router: {len(worker_urls)} workers not ready after "
+                                       f"{ready_timeout_s:.0f}s:\n{router.logs()[-4000:]}")
+            time.sleep(READY_POLL_S)
+        yield router
