@@ -100,8 +100,11 @@ async def _sse_response(request: web.Request, events) -> web.StreamResponse:
     return response
 
 
-def build_app(model: StubModel) -> web.Application:
-    app = web.Application(middlewares=[openai_errors])
+def build_app(model: StubModel, fail_status: int | None = None) -> web.Application:
+    """`fail_status`: every generation request answers that HTTP status (a replica that is up and
+    healthy but failing its work, for failover tests and benches)."""
+    middlewares = [openai_errors] + ([_failing(fail_status)] if fail_status else [])
+    app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = decode_completion(await request.read())
@@ -207,6 +210,17 @@ def build_app(model: StubModel) -> web.Application:
     return app
 
 
+def _failing(status: int):
+    @web.middleware
+    async def fail(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.method == "POST":
+            return web.json_response({"error": {"message": f"stub configured to fail with {status}",
+                                                "type": "internal_error", "param": None, "code": status}},
+                                     status=status)
+        return await handler(request)
+    return fail
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="OpenAI-shaped backend that answers at once (vLLM dialect).")
     parser.add_argument("--host", default="127.0.0.1")
@@ -215,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-dir", default=None, help="HF checkpoint dir (default: the tiny checkpoint)")
     parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (max_tokens caps it)")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--fail-status", type=int, default=None,
+                        help="answer every generation request with this HTTP status (failover tests)")
     args = parser.parse_args(argv)
     if args.output_tokens < 1:
         parser.error("--output-tokens must be at least 1")
@@ -230,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(serve(build_app(model), args.host, args.port))
+    run(serve(build_app(model, args.fail_status), args.host, args.port))
 
 
 async def serve(app: web.Application, host: str, port: int) -> None:
@@ -258,9 +274,11 @@ class StubProcess:
     Ready means it printed its address, i.e. it accepts connections; stopped on exit, always."""
 
     def __init__(self, *, port: int = 0, model: str = "stub", output_tokens: int = 16, tokenizer_dir=None,
-                 stderr=None, ready_timeout_s: float = 120.0):
+                 stderr=None, ready_timeout_s: float = 120.0, fail_status: int | None = None):
         self.argv = [sys.executable, "-m", "bench.stub_backend", "--port", str(port), "--model", model,
                      "--output-tokens", str(output_tokens)]
+        if fail_status is not None:
+            self.argv += ["--fail-status", str(fail_status)]
         if tokenizer_dir is not None:
             self.argv += ["--tokenizer-dir", str(tokenizer_dir)]
         self.stderr = stderr

@@ -128,7 +128,7 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
         launcher.start()
         if launcher.replicas:
             _wait_with_progress(launcher, startup_timeout_s)
-        return run(config, on_ready=print_ready(config), config_path=str(path))
+        return run(config, on_ready=print_ready(config), config_path=str(path), launcher=launcher)
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -22,12 +22,53 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 
 
+class RouteTimeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Per-model overrides of the gateway's timeouts (`gateway.routes: {MODEL: {...}}`)."""
+    request_timeout_s: PositiveSeconds | None = None
+    ttft_timeout_s: PositiveSeconds | None = None
+    inter_token_timeout_s: PositiveSeconds | None = None
+
+
 class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Port = 8000
-    request_timeout_s: PositiveSeconds = 600.0
-    connect_timeout_s: PositiveSeconds = 5.0
+    request_timeout_s: PositiveSeconds = 600.0     # whole request, every try and resume included
+    connect_timeout_s: PositiveSeconds = 5.0       # opening a connection to a replica
+    ttft_timeout_s: PositiveSeconds = 120.0        # request sent -> first token; past it the try is dead
+    inter_token_timeout_s: PositiveSeconds = 30.0  # a stream silent this long is stalled: resumed elsewhere
+    routes: dict[str, RouteTimeouts] = {}          # per model: timeouts that differ
+    max_attempts: Annotated[int, Meta(ge=1, le=16)] = 3  # tries per request (first + retries/resumes)
+    retry_budget: Annotated[float, Meta(ge=0, le=1)] = 0.2  # retries at most this fraction of recent requests
+    retry_budget_min: Annotated[int, Meta(ge=0)] = 5       # ... but always this many per window
+    max_in_flight_per_replica: PositiveInt = 256   # more wait in the gateway's queue
+    queue_size: Annotated[int, Meta(ge=0)] = 1024  # requests waiting for a replica; more get 429
+    queue_timeout_s: PositiveSeconds = 30.0        # longest wait in that queue before a 429
+    drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight requests get this long
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 8 * 1024 * 1024
+
+    def timeouts(self, model: str | None) -> tuple[float, float, float]:
+        """(request, ttft, inter_token) timeouts in seconds for a model."""
+        route = self.routes.get(model or "")
+        if route is None:
+            return self.request_timeout_s, self.ttft_timeout_s, self.inter_token_timeout_s
+        return (route.request_timeout_s or self.request_timeout_s, route.ttft_timeout_s or self.ttft_timeout_s,
+                route.inter_token_timeout_s or self.inter_token_timeout_s)
+
+
+class HealthSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Active probes and passive ejection (gateway/health.py says how they combine)."""
+    probe_interval_s: PositiveSeconds = 2.0
+    probe_timeout_s: PositiveSeconds = 2.0
+    healthy_threshold: PositiveInt = 2           # probes in a row that bring an ejected replica back
+    unhealthy_threshold: PositiveInt = 2         # probe failures in a row that eject it
+    eject_consecutive_failures: PositiveInt = 3  # request failures in a row that eject it
+    eject_error_rate: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    error_window_s: PositiveSeconds = 10.0
+    error_min_requests: PositiveInt = 10
+    eject_base_s: PositiveSeconds = 2.0          # first ejection; doubles while the replica flaps
+    eject_max_s: PositiveSeconds = 60.0
+    restart_backoff_s: PositiveSeconds = 1.0     # `kvgate up`: first restart of a dead replica, doubling
+    max_restarts_per_minute: Annotated[int, Meta(ge=0)] = 5
 
 
 class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -103,6 +144,7 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
+    health: HealthSection = msgspec.field(default_factory=HealthSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     replicas: list[ReplicaSpec]
@@ -153,6 +195,10 @@ def _value_problems(config: Config):
         yield (["routing", "session_affinity", "fallback"],
                f"unknown fallback policy {fallback!r} (expected one of: "
                f"{', '.join(p for p in POLICIES if p != 'session_affinity')})")
+    for model in config.gateway.routes:
+        if model not in config.models():
+            yield (["gateway", "routes", model],
+                   f"no replica serves model {model!r} (models: {', '.join(config.models())})")
     if not config.routing.session_header.strip():
         yield ["routing", "session_header"], "must not be empty"
     if not config.replicas:

@@ -1,5 +1,6 @@
 """`kvgate up`: start a built-in replica process for every config entry with a `launch` block,
-wait for each to answer /health (bounded), and stop them all, children included, on the way out."""
+wait for each to answer /health (bounded), and stop them all, children included, on the way out.
+While the gateway serves, gateway/supervisor.py restarts the ones that exit (through `launch`)."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ class LaunchedReplica:
         self.spec = spec
         self.proc = proc
         self.log_path = log_path
+        self.started_s = time.monotonic()
 
     def output_tail(self, lines: int = 30) -> str:
         try:
@@ -65,15 +67,18 @@ class Launcher:
 
     def start(self) -> None:
         for spec in self.config.replicas:
-            if spec.launch is None:
-                continue
-            log_path = self.log_dir / f"{spec.name}.log"
-            with open(log_path, "wb") as log_file:
-                proc = subprocess.Popen(
-                    replica_argv(spec), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # Ctrl-C reaches kvgate, which stops replicas in order
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-            self.replicas.append(LaunchedReplica(spec, proc, log_path))
+            if spec.launch is not None:
+                self.replicas.append(self.launch(spec))
+
+    def launch(self, spec: ReplicaSpec) -> LaunchedReplica:
+        """Start (or restart: its output is appended to the same log) one replica process."""
+        log_path = self.log_dir / f"{spec.name}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                replica_argv(spec), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches kvgate, which stops replicas in order
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        return LaunchedReplica(spec, proc, log_path)
 
     def wait_healthy(self, timeout_s: float, progress=None) -> None:
         """Poll each replica's /health until all answer 200; LaunchError with the output tail if one
@@ -105,11 +110,18 @@ class Launcher:
                 replica.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for replica in self.replicas:
-            try:
-                replica.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(replica.proc.pid, signal.SIGKILL)  # its own session: takes its children too
-                replica.proc.wait(timeout=5)
+            stop_process(replica, deadline)
+
+
+def stop_process(replica: LaunchedReplica, deadline_s: float) -> None:
+    """SIGTERM (if not sent yet), wait until `deadline_s`, then SIGKILL its whole session."""
+    if replica.proc.poll() is None:
+        replica.proc.send_signal(signal.SIGTERM)
+    try:
+        replica.proc.wait(timeout=max(0.1, deadline_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(replica.proc.pid, signal.SIGKILL)  # its own session: takes its children too
+        replica.proc.wait(timeout=5)
 
 
 def _healthy(url: str) -> bool:

@@ -1,14 +1,27 @@
-"""The request path: validate, tokenize, route, forward, relay, record.
+"""The request path: validate, tokenize, admit, route, forward, relay, record; and when a replica
+fails, try again elsewhere without the client noticing.
 
 The client's JSON object is forwarded as sent (fields the gateway does not know still reach the
-replica) plus `return_token_ids` (and usage for streams), so the gateway learns the token IDs
-without tokenizing the output. Streams are relayed event by event, never buffered."""
+replica) plus `return_token_ids` and a streamed answer with usage (gateway/answer.py says why and
+how it reaches the client). Each try is one `router.attempt(...)`:
+
+  before its first token   connect error, timeout, a 5xx/429/503, a dropped connection: tried
+                           again on the next-best replica (bounded attempts, under a retry budget)
+  after k tokens           the replica died or stalled (no event for inter_token_timeout_s):
+                           resumed on another replica from the k tokens (gateway/resume.py),
+                           into the same client stream
+  a 4xx                    the client's mistake: passed through unchanged
+
+A request that waits for a replica with room waits in a bounded queue (429 past it, or past
+queue_timeout_s); no healthy replica at all is a 503. Every request ends in exactly one record
+with its real outcome, also when its 200 had already gone out."""
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 import aiohttp
@@ -16,24 +29,58 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from gateway.answer import Answer, AnswerSpec, ClientGone, InBandError
 from gateway.prompts import prompt_token_ids
+from gateway.resume import continuation_body, effective_max_tokens
+from gateway.retry_budget import RetryBudget
 from gateway.router import RoutedAttempt, Router
-from gateway.upstream import ReplicaPool, ReplicaState
+from gateway.upstream import ReplicaPool, ReplicaState, refused
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog, RequestRecord
-from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Unavailable,
-                             UpstreamError, error_body, from_decode_error, normalize_upstream_error)
+from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Overloaded, Unavailable,
+                             UpstreamError, from_decode_error, normalize_upstream_error)
 from protocol.http import error_response
-from protocol.requests import AnyRequest, decode_chat, decode_completion, fit_max_tokens, requested_max_tokens
-from protocol.sse import DONE_EVENT, EventSplitter, data_of, event
+from protocol.requests import (AnyRequest, ChatCompletionRequest, check_honoured, decode_chat, decode_completion,
+                               fit_max_tokens, requested_max_tokens, stop_strings)
+from protocol.sse import EventSplitter
+
+try:
+    from asyncio import timeout_at
+except ImportError:  # Python 3.10: aiohttp's dependency has the same context manager
+    from async_timeout import timeout_at  # type: ignore[no-redef]
 
 log = structlog.get_logger("kvgate.proxy")
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
-# Connection-level failures that prove the replica never produced an answer: safe to retry.
-_RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-              aiohttp.ClientOSError)
+# Statuses that say "this replica, now" rather than "this request": tried elsewhere.
+_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class TryFailed(Exception):
+    """One try ended without a complete answer, for a reason that is the replica's, not the client's."""
+
+    def __init__(self, reason: str, error: APIError, fatal: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error   # what the client gets if no other try succeeds
+        self.fatal = fatal   # the replica is certainly gone (connection refused): eject it now
+
+
+@dataclass
+class _Plan:
+    """Everything about one request that every try of it reuses."""
+    parsed: AnyRequest
+    raw: dict
+    model: str
+    prompt_ids: list[int]
+    hashes: object
+    session_key: str | None
+    streamed_upstream: bool  # the replica streams (always, unless the answer has fields we cannot collect)
+    payload: bytes
+    deadline: float          # loop time by which the whole request is over
+    ttft_timeout_s: float
+    inter_token_timeout_s: float
 
 
 class Proxy:
@@ -43,6 +90,11 @@ class Proxy:
         self.router = router
         self.metrics = metrics
         self.request_log = request_log
+        gateway = pool.config.gateway
+        self.budget = RetryBudget(gateway.retry_budget, gateway.retry_budget_min)
+        self.active = 0            # requests being handled (drain waits for 0)
+        self._queued = 0           # requests waiting for a replica with room
+        self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/completions", decode_completion)
@@ -57,6 +109,7 @@ class Proxy:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         record = RequestRecord(request_id, endpoint)
         reply_headers = {"x-request-id": request_id}
+        self.active += 1
         try:
             try:
                 return await self._serve(request, record, decode, reply_headers)
@@ -70,6 +123,9 @@ class Proxy:
         except asyncio.CancelledError:
             record.fail(499, "client_disconnected")
             raise
+        except ClientGone as gone:  # it hung up while we wrote its stream: nothing more to send
+            record.fail(499, "client_disconnected")
+            return gone.response
         except web.HTTPException as exc:  # e.g. 413 from the body size limit; the middleware renders it
             record.fail(exc.status, exc.reason)
             raise
@@ -80,6 +136,7 @@ class Proxy:
             response.headers.update(reply_headers)
             return response
         finally:
+            self.active -= 1
             self.request_log.emit(record)
             self.metrics.observe_request(
                 replica=record.replica, status=record.status, ttft_s=record.ttft_s, itl_s=record.itl_s,
@@ -92,65 +149,284 @@ class Proxy:
         parsed = decode(body)
         raw = _decode_json(body)  # decode() proved it is a JSON object
         record.stream = parsed.stream
-        record.model = parsed.model
         model = self._resolve_model(parsed.model)
         record.model = model
         candidates = self.pool.candidates(model)
         if not candidates:
-            raise Unavailable(f"No replica serving `{model}` is ready yet.", retry_after_s=1)
+            raise Unavailable(f"No healthy replica serving `{model}`.", retry_after_s=1)
 
-        prompt_ids = await prompt_token_ids(parsed, candidates[0].tokenizer)
+        bundle = candidates[0].tokenizer
+        prompt_ids = await prompt_token_ids(parsed, bundle)
         record.prompt_token_ids = prompt_ids
         record.prompt_tokens = len(prompt_ids)
         self._check_context(parsed, prompt_ids, candidates)
 
-        wants_token_ids = bool(parsed.return_token_ids)
-        wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        chat = isinstance(parsed, ChatCompletionRequest)
+        # A non-streaming client is answered from a streamed upstream too (so a failure after k
+        # tokens resumes from them), unless it asks for fields whose stream form we do not collect.
+        collectable = parsed.stream or _collectable(body)
         raw["return_token_ids"] = True
         raw["model"] = model
-        if parsed.stream:
+        if collectable:
+            raw["stream"] = True
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        payload = _encode_json(raw)
-        upstream_headers = {"content-type": "application/json", "x-request-id": record.request_id}
+        gateway = self.pool.config.gateway
+        total_s, ttft_s, itl_s = gateway.timeouts(model)
+        loop = asyncio.get_running_loop()
         router = self.router
-        hashes = router.hashes(prompt_ids, parsed.cache_salt)  # once; a retry reuses them
-        session_key = router.session_key(request.headers, parsed.user)
-        new_tokens = requested_max_tokens(parsed)[0]
+        plan = _Plan(parsed, raw, model, prompt_ids, router.hashes(prompt_ids, parsed.cache_salt),
+                     router.session_key(request.headers, parsed.user), collectable, _encode_json(raw),
+                     loop.time() + total_s, ttft_s, itl_s)
+        echo_chars = 0
+        if getattr(parsed, "echo", False) and isinstance(parsed.prompt, str):
+            echo_chars = len(parsed.prompt)
+        spec = AnswerSpec(chat=chat, stream=parsed.stream, model=model,
+                          wants_token_ids=bool(parsed.return_token_ids),
+                          wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                          stops=stop_strings(parsed), skip_special_tokens=parsed.skip_special_tokens is not False,
+                          echo_chars=echo_chars)
+        answer = Answer(spec, record, reply_headers)
+        self.budget.on_request(time.monotonic())
+        return await self._tries(request, record, plan, answer)
 
-        failures: list[str] = []
-        for _try in range(2):  # the first choice, then once more on another replica
-            pool = [c.name for c in self.pool.candidates(model) if c.name not in failures]
-            if not pool:
-                break
-            with router.attempt(pool, model, prompt_ids, hashes, session_key, parsed.cache_salt,
-                                new_tokens) as attempt:
+    # ---- tries ----------------------------------------------------------------------------------
+
+    async def _tries(self, request: web.Request, record: RequestRecord, plan: _Plan,
+                     answer: Answer) -> web.StreamResponse:
+        max_attempts = self.pool.config.gateway.max_attempts
+        failed: list[str] = []
+        last: TryFailed | None = None
+        failed_at = 0.0
+        for number in range(1, max_attempts + 1):
+            output_ids = record.output_token_ids
+            resuming = bool(output_ids) and plan.streamed_upstream
+            names = await self._admit(plan, failed, retry=number > 1)
+            if resuming:
+                prompt = answer.prompt_token_ids or plan.prompt_ids
+                routed_ids = prompt + output_ids
+                hashes = self.router.hashes(routed_ids, plan.parsed.cache_salt)
+            else:
+                routed_ids, hashes = plan.prompt_ids, plan.hashes
+            new_tokens = requested_max_tokens(plan.parsed)[0]
+            with self.router.attempt(names, plan.model, routed_ids, hashes, plan.session_key,
+                                     plan.parsed.cache_salt, new_tokens) as attempt:
                 replica = self.pool.by_name[attempt.replica]
                 record.replica = replica.name
                 record.routing = attempt.log
-                if failures:
-                    record.routing["retried_after"] = list(failures)
+                if failed:
+                    record.routing["retried_after"] = list(failed)
+                if resuming:
+                    answer.start_resume(replica.tokenizer or self._any_tokenizer(plan.model))
+                    endpoint, payload = "/v1/completions", self._continuation(plan, answer, replica)
+                else:
+                    endpoint, payload = record.endpoint, plan.payload
                 try:
-                    upstream = await self.pool.session.post(
-                        replica.base_url + record.endpoint, data=payload, headers=upstream_headers)
-                except _RETRYABLE as exc:
-                    self.pool.mark_down(replica, f"{type(exc).__name__}: {exc}")
-                    failures.append(replica.name)
-                    continue
-                except asyncio.TimeoutError:
-                    raise UpstreamError(f"Replica {replica.name} did not answer within the timeout.",
-                                        status=504, code="upstream_timeout") from None
-                try:
-                    if parsed.stream:
-                        return await self._relay_stream(request, upstream, record, reply_headers,
-                                                        wants_token_ids, wants_usage, attempt)
-                    response = await self._relay_json(upstream, record, reply_headers, wants_token_ids)
-                    attempt.first_token()  # the whole answer: it was prefilled
-                    return response
+                    if plan.streamed_upstream:
+                        await self._try_stream(request, replica, endpoint, payload, plan, answer, attempt)
+                    else:
+                        return await self._try_json(replica, plan, answer, attempt)
+                    self.pool.report(replica, ok=True)
+                    if failed:
+                        resume_s = (attempt.first_token_s or time.perf_counter()) - failed_at
+                        record.failover[-1].update(resumed_on=replica.name, resume_ms=round(resume_s * 1000, 3))
+                        self.metrics.resume_latency.observe(resume_s)
+                    return await answer.finish()
+                except TryFailed as failure:
+                    failed_at = time.perf_counter()
+                    self.pool.report(replica, ok=False, reason=failure.reason, fatal=failure.fatal)
+                    self.metrics.try_failures.labels(replica=replica.name).inc()
+                    record.add_failover(replica.name, len(record.output_token_ids), failure.reason)
+                    last = failure
                 finally:
                     attempt.cached_tokens = record.cached_tokens
-        if failures:
-            raise UpstreamError(f"Replica(s) unreachable: {', '.join(failures)}.", code="upstream_unreachable")
-        raise Unavailable(f"No replica serving `{model}` is ready.", retry_after_s=1)
+                    self._signal_room()
+            failed.append(replica.name)
+            left = plan.deadline - asyncio.get_running_loop().time()
+            if number == max_attempts or left <= 0 or not self.budget.try_spend(time.monotonic()):
+                break
+            self.metrics.retries.labels(kind="resume" if record.output_token_ids else "retry").inc()
+        return await self._give_up(record, answer, last)
+
+    async def _give_up(self, record: RequestRecord, answer: Answer, failure: TryFailed) -> web.StreamResponse:
+        error = failure.error
+        record.fail(error.status, f"{failure.reason}; after {len(record.failover or [])} tries")
+        if answer.response is None:
+            raise error
+        # The client has its 200 and part of the answer: say it in-band (as vLLM does); the
+        # record keeps the real outcome.
+        record.failed_after_headers = True
+        return await answer.fail_in_band(error.status, error.message)
+
+    async def _admit(self, plan: _Plan, failed: list[str], retry: bool) -> list[str]:
+        """Candidate replicas with room for one more request; waits in the bounded queue when all
+        are full. A retry avoids the replicas that failed this request while others remain."""
+        gateway = self.pool.config.gateway
+        tracker = self.router.state.tracker
+        loop = asyncio.get_running_loop()
+        queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
+        while True:
+            ready = self.pool.candidates(plan.model)
+            fresh = [r for r in ready if r.name not in failed]
+            ready = fresh or ready
+            names = [r.name for r in ready if tracker.own_in_flight(r.name) < gateway.max_in_flight_per_replica]
+            if names:
+                return names
+            if not ready and not retry:
+                raise Unavailable(f"No healthy replica serving `{plan.model}`.", retry_after_s=1)
+            if self._queued >= gateway.queue_size:
+                raise Overloaded(f"All replicas are at max_in_flight_per_replica and the gateway queue is "
+                                 f"full ({gateway.queue_size}); retry shortly.", retry_after_s=1)
+            left = queue_deadline - loop.time()
+            if left <= 0:
+                if not ready:
+                    raise Unavailable(f"No healthy replica serving `{plan.model}`.", retry_after_s=1)
+                raise Overloaded(f"No replica had room within {gateway.queue_timeout_s:g} s; retry shortly.",
+                                 retry_after_s=1)
+            self._queued += 1
+            self.metrics.queued.set(self._queued)
+            try:
+                await asyncio.wait_for(self._room.wait(), min(left, 0.5))  # also re-check health
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._queued -= 1
+                self.metrics.queued.set(self._queued)
+
+    def _signal_room(self) -> None:
+        room, self._room = self._room, asyncio.Event()
+        room.set()
+
+    @staticmethod
+    def _continuation(plan: _Plan, answer: Answer, replica: ReplicaState) -> bytes:
+        prompt = answer.prompt_token_ids or plan.prompt_ids
+        done = answer.record.output_token_ids
+        limit = effective_max_tokens(plan.parsed, len(prompt), replica.max_model_len, replica.default_max_tokens)
+        return continuation_body(plan.raw, plan.model, prompt, done,
+                                 None if limit is None else max(limit - len(done), 1))
+
+    def _any_tokenizer(self, model: str):
+        for replica in self.pool.replicas:
+            if replica.tokenizer is not None and replica.serves(model):
+                return replica.tokenizer
+        raise Unavailable(f"No tokenizer for `{model}` to resume with.", retry_after_s=1)
+
+    # ---- one try --------------------------------------------------------------------------------
+
+    async def _try_stream(self, request: web.Request, replica: ReplicaState, endpoint: str, payload: bytes,
+                          plan: _Plan, answer: Answer, attempt: RoutedAttempt) -> None:
+        """Relay one streamed try into the answer; returns once the answer is complete, raises
+        TryFailed when the replica cannot finish it."""
+        record = answer.record
+        loop = asyncio.get_running_loop()
+        first_deadline = min(plan.deadline, loop.time() + plan.ttft_timeout_s)
+        upstream = None
+        finished = False
+        try:
+            async with timeout_at(first_deadline) as timer:
+                try:
+                    upstream = await self.pool.session.post(replica.base_url + endpoint, data=payload,
+                                                            headers=_headers(record.request_id))
+                except aiohttp.ClientError as exc:
+                    raise TryFailed(f"connect: {_reason(exc)}",
+                                    UpstreamError(f"Replica {replica.name} unreachable.",
+                                                  code="upstream_unreachable"), fatal=refused(exc)) from None
+                if upstream.status != 200:
+                    raise await self._status_error(upstream, replica)
+                _no_delay(request)
+                await answer.open_stream(request)
+                splitter = EventSplitter()
+                async for chunk in upstream.content.iter_any():
+                    for raw_event in splitter.feed(chunk):
+                        await answer.on_event(raw_event)
+                    if not attempt.started_decoding and record.first_token_s is not None:
+                        attempt.first_token()  # prefilled: the load tracker now counts it decoding
+                    if attempt.started_decoding:
+                        timer.reschedule(min(plan.deadline, loop.time() + plan.inter_token_timeout_s))
+                for raw_event in splitter.flush():
+                    await answer.on_event(raw_event)
+                finished = True
+        except TimeoutError:
+            if loop.time() >= plan.deadline:
+                raise TryFailed("request_timeout", UpstreamError(
+                    "The request did not finish within request_timeout_s.", status=504,
+                    code="upstream_timeout")) from None
+            what = "stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
+            raise TryFailed(what, UpstreamError(f"Replica {replica.name} {what}.", status=504,
+                                                code="upstream_timeout")) from None
+        except InBandError as exc:
+            raise TryFailed(f"replica error: {exc}", UpstreamError(str(exc), code="upstream_error")) from None
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            raise TryFailed(f"disconnected: {_reason(exc)}", UpstreamError(
+                f"Replica {replica.name} failed mid-answer.", code="upstream_disconnected")) from None
+        finally:
+            if upstream is not None:
+                if finished:
+                    upstream.release()
+                else:
+                    upstream.close()  # the replica sees the connection drop and aborts the request
+        if not answer.complete:
+            raise TryFailed("stream ended without a finish_reason", UpstreamError(
+                f"Replica {replica.name} ended the stream early.", code="upstream_disconnected"))
+
+    async def _try_json(self, replica: ReplicaState, plan: _Plan, answer: Answer,
+                        attempt: RoutedAttempt) -> web.Response:
+        """A non-streamed answer passed through as is (fields the gateway does not collect from a
+        stream); a failure before it arrives is tried again from scratch."""
+        record = answer.record
+        upstream = None
+        try:
+            async with timeout_at(plan.deadline):
+                upstream = await self.pool.session.post(replica.base_url + record.endpoint, data=plan.payload,
+                                                        headers=_headers(record.request_id))
+                if upstream.status != 200:
+                    raise await self._status_error(upstream, replica)
+                body = await upstream.read()
+        except TimeoutError:
+            raise TryFailed("request_timeout", UpstreamError(
+                "The request did not finish within request_timeout_s.", status=504, code="upstream_timeout")) from None
+        except aiohttp.ClientError as exc:
+            raise TryFailed(f"disconnected: {_reason(exc)}", UpstreamError(
+                f"Replica {replica.name} failed while answering.", code="upstream_disconnected"),
+                fatal=refused(exc)) from None
+        finally:
+            if upstream is not None:
+                upstream.release()
+        attempt.first_token()
+        self.pool.report(replica, ok=True)
+        reply = _decode_json(body)
+        choice = (reply.get("choices") or [{}])[0]
+        record.output_token_ids = list(choice.get("token_ids") or [])
+        record.finish_reason = choice.get("finish_reason")
+        record.completion_tokens = len(record.output_token_ids)
+        usage = reply.get("usage") or {}
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not answer.spec.wants_token_ids:
+            reply.pop("prompt_token_ids", None)
+            for item in reply.get("choices") or []:
+                item.pop("token_ids", None)
+                item.pop("prompt_token_ids", None)
+            body = _encode_json(reply)
+        return web.Response(body=body, content_type="application/json", headers=answer.reply_headers)
+
+    async def _status_error(self, upstream: aiohttp.ClientResponse, replica: ReplicaState) -> Exception:
+        """A replica's non-200: the client's error (4xx) to pass through, or TryFailed to try elsewhere."""
+        try:
+            body = await upstream.read()
+        except aiohttp.ClientError:
+            body = b""
+        try:
+            payload = _decode_json(body)
+        except msgspec.DecodeError:
+            payload = body
+        error = normalize_upstream_error(upstream.status, payload)
+        retry_after = upstream.headers.get("Retry-After", "")
+        if retry_after.isdigit():  # a replica's overload advice reaches the client (429/503)
+            error.retry_after_s = float(retry_after)
+        if upstream.status in _RETRY_STATUSES:
+            return TryFailed(f"HTTP {upstream.status} from {replica.name}: {error.message[:200]}", error)
+        return error
+
+    # ---- checks ---------------------------------------------------------------------------------
 
     def _resolve_model(self, requested: str | None) -> str:
         known = self.pool.known_models()
@@ -171,167 +447,27 @@ class Proxy:
         if lengths:
             fit_max_tokens(parsed, len(prompt_ids), min(lengths), None)
 
-    # ---- relaying ---------------------------------------------------------------------------------
 
-    async def _upstream_error(self, upstream: aiohttp.ClientResponse) -> APIError:
-        try:
-            body = await upstream.read()
-        finally:
-            upstream.release()
-        try:
-            payload = _decode_json(body)
-        except msgspec.DecodeError:
-            payload = body
-        error = normalize_upstream_error(upstream.status, payload)
-        retry_after = upstream.headers.get("Retry-After", "")
-        if retry_after.isdigit():  # a replica's overload advice reaches the client (429/503)
-            error.retry_after_s = float(retry_after)
-        return error
-
-    async def _relay_json(self, upstream: aiohttp.ClientResponse, record: RequestRecord,
-                          reply_headers: dict, wants_token_ids: bool) -> web.Response:
-        if upstream.status >= 400:
-            raise await self._upstream_error(upstream)
-        try:
-            body = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            upstream.close()
-            self.pool.mark_down_named(record.replica, f"{type(exc).__name__}: {exc}")
-            raise UpstreamError(f"Replica {record.replica} failed while answering: {type(exc).__name__}.",
-                                code="upstream_disconnected") from None
-        except BaseException:
-            upstream.close()  # unread body: drop the connection so the replica sees us leave
-            raise
-        upstream.release()
-        answer = _decode_json(body)
-        choice = (answer.get("choices") or [{}])[0]
-        record.output_token_ids = list(choice.get("token_ids") or [])
-        record.finish_reason = choice.get("finish_reason")
-        _take_prompt_ids(record, answer, choice)
-        _take_usage(record, answer.get("usage"))
-        if not wants_token_ids:
-            _strip_token_ids(answer)
-            body = _encode_json(answer)
-        record.status = upstream.status
-        return web.Response(body=body, status=upstream.status, content_type="application/json",
-                            headers=reply_headers)
-
-    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                            record: RequestRecord, reply_headers: dict, wants_token_ids: bool,
-                            wants_usage: bool, attempt: RoutedAttempt) -> web.StreamResponse:
-        if upstream.status >= 400:
-            raise await self._upstream_error(upstream)
-        response = web.StreamResponse(status=200, headers={
-            **reply_headers, "content-type": "text/event-stream", "cache-control": "no-cache"})
-        sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event leaves at once
-        finished = False   # the replica's stream was read to its end
-        delivered = False  # [DONE] went out: the client has the whole answer
-        try:
-            await response.prepare(request)
-            splitter = EventSplitter()
-            try:
-                async for chunk in upstream.content.iter_any():
-                    for raw_event in splitter.feed(chunk):
-                        delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
-                                                            wants_usage) or delivered
-                    if record.first_token_s is not None and not attempt.started_decoding:
-                        attempt.first_token()  # prefilled: the load tracker now counts it decoding
-                for raw_event in splitter.flush():
-                    delivered = await self._relay_event(response, raw_event, record, wants_token_ids,
-                                                        wants_usage) or delivered
-                finished = True
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                    asyncio.TimeoutError) as exc:
-                # The replica went away mid-stream; the client already has a 200, so say it in-band.
-                record.error = f"upstream_disconnected: {type(exc).__name__}: {exc}"
-                self.pool.mark_down(self.pool.by_name[record.replica], record.error)
-                await response.write(event(error_body("The replica serving this request failed "
-                                                       "mid-stream.", "upstream_error", None, 502)))
-                await response.write(DONE_EVENT)
-            await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as exc:  # ConnectionReset: on write
-            # A client that hangs up right after [DONE] (the OpenAI SDK does) got everything.
-            if not delivered:
-                record.fail(499, "client_disconnected")
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-        finally:
-            if finished:
-                upstream.release()
-            else:
-                upstream.close()  # the replica sees the connection drop and aborts the request
-        if record.completion_tokens is None:
-            record.completion_tokens = len(record.output_token_ids)
-        return response
-
-    async def _relay_event(self, response: web.StreamResponse, raw_event: bytes, record: RequestRecord,
-                           wants_token_ids: bool, wants_usage: bool) -> bool:
-        """Send one event on (if the client should see it); True when it was the closing [DONE]."""
-        out = self._on_event(raw_event, record, wants_token_ids, wants_usage)
-        if out is None:
-            return False
-        await response.write(out)
-        return out == DONE_EVENT
-
-    def _on_event(self, raw_event: bytes, record: RequestRecord, wants_token_ids: bool,
-                  wants_usage: bool) -> bytes | None:
-        """Collect what the record needs from one SSE event; return the bytes to send (or None)."""
-        data = data_of(raw_event)
-        if data is None or data == b"[DONE]":
-            return raw_event + b"\n\n"
-        chunk = _decode_json(data)  # small objects: microseconds with msgspec
-        if not isinstance(chunk, dict):
-            return raw_event + b"\n\n"
-        if "error" in chunk and record.error is None:
-            error = chunk["error"]
-            record.error = error.get("message") if isinstance(error, dict) else str(error)
-        choices = chunk.get("choices") or []
-        if choices:
-            choice = choices[0]
-            record.tokens_arrived(choice.get("token_ids") or [], time.perf_counter())
-            if choice.get("finish_reason"):
-                record.finish_reason = choice["finish_reason"]
-            _take_prompt_ids(record, chunk, choice)
-        elif "prompt_token_ids" in chunk:
-            _take_prompt_ids(record, chunk, {})
-        usage = chunk.get("usage")
-        if usage:
-            _take_usage(record, usage)
-            if not choices and not wants_usage:
-                return None  # the usage-only chunk we asked for, not the client
-        if wants_token_ids and (wants_usage or not usage):
-            return raw_event + b"\n\n"
-        _strip_token_ids(chunk)
-        if not wants_usage:
-            chunk.pop("usage", None)
-        return event(chunk)
+def _collectable(body: bytes) -> bool:
+    """Whether a non-streamed answer can be collected from a stream: no field whose stream form
+    (tool-call deltas, logprob lists, ...) the gateway does not put back together."""
+    try:
+        check_honoured(body)
+    except BadRequest:
+        return False
+    return True
 
 
-def _take_prompt_ids(record: RequestRecord, obj: dict, choice: dict) -> None:
-    """The replica's prompt IDs are the truth for the record (the gateway's are for routing)."""
-    ids = obj.get("prompt_token_ids") or choice.get("prompt_token_ids")
-    if ids:
-        if record.prompt_token_ids is not None and list(ids) != record.prompt_token_ids:
-            log.warning("prompt_ids_mismatch", request_id=record.request_id,
-                        gateway_tokens=len(record.prompt_token_ids), replica_tokens=len(ids))
-        record.prompt_token_ids = list(ids)
+def _headers(request_id: str) -> dict:
+    return {"content-type": "application/json", "x-request-id": request_id}
 
 
-def _take_usage(record: RequestRecord, usage) -> None:
-    if not isinstance(usage, dict):
-        return
-    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-    record.completion_tokens = usage.get("completion_tokens", record.completion_tokens)
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        record.cached_tokens = details["cached_tokens"]
+def _no_delay(request: web.Request) -> None:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event leaves at once
 
 
-def _strip_token_ids(obj: dict) -> None:
-    obj.pop("prompt_token_ids", None)
-    for choice in obj.get("choices") or []:
-        if isinstance(choice, dict):
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

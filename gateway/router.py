@@ -14,6 +14,7 @@ request in flight across a reload reports to the tracker it was counted in."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Sequence
 
 import numpy as np
@@ -127,13 +128,14 @@ class RoutedAttempt:
     """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
     however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
     corrects approximate mode's table."""
-    __slots__ = ("router", "routed", "replica", "log", "cached_tokens")
+    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s")
 
     def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
         self.router = router
         self.routed = routed
         self.replica = routed.replica
         self.cached_tokens: int | None = None
+        self.first_token_s: float | None = None   # perf_counter when this try's first token came
         decision: Decision = routed.decision
         self.log = decision.as_log()
         self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
@@ -153,6 +155,7 @@ class RoutedAttempt:
         routed = self.routed
         if not routed.first_token():
             return
+        self.first_token_s = time.perf_counter()
         state = routed.state
         if self.router.precise.get(self.replica) and (routed.prompt_tokens // state.block_size
                                                       > routed.predicted_cached_tokens // state.block_size):

@@ -16,25 +16,33 @@ from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
 from gateway.router import Router
 from gateway.scraper import Scraper
+from gateway.supervisor import Supervisor
 from gateway.upstream import ReplicaPool
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog
+from protocol.errors import NotFound
 from protocol.http import openai_errors
 
 log = structlog.get_logger("kvgate.gateway")
 
 
-def build_app(config: Config, config_path: str | None = None) -> web.Application:
-    """The gateway; with `config_path`, the YAML is watched and hot-reloaded."""
+def build_app(config: Config, config_path: str | None = None, launcher=None) -> web.Application:
+    """The gateway; with `config_path`, the YAML is watched and hot-reloaded; with `launcher`
+    (`kvgate up`), the replicas it started are supervised (restarted when they exit)."""
     app = web.Application(middlewares=[openai_errors], client_max_size=config.gateway.max_body_bytes)
-    pool = ReplicaPool(config)
     metrics = GatewayMetrics()
+    pool = ReplicaPool(config, metrics)
     router = Router(config, metrics)
     request_log = RequestLog(config.logging.token_ids)
     proxy = Proxy(pool, router, metrics, request_log)
     scraper = Scraper(pool, router, metrics)
     subscribers = KVEventSubscribers(router, metrics)
     app["pool"], app["metrics"], app["proxy"], app["router"] = pool, metrics, proxy, router
+    supervisor = None
+    if launcher is not None:
+        supervisor = Supervisor(launcher, config, metrics, router.state.tracker.own_in_flight)
+        app.on_startup.append(supervisor.start)
+        app.on_cleanup.append(supervisor.close)
 
     def apply(new: Config) -> dict:
         # Router first: it raises on a policy it cannot build, before anything has changed.
@@ -43,6 +51,8 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         added, removed = pool.apply(new)
         subscribers.sync(new)
         request_log.token_ids = new.logging.token_ids
+        if supervisor is not None:  # processes start/stop in the background (stopping waits for requests)
+            app["supervisor_sync"] = asyncio.get_running_loop().create_task(supervisor.sync(new))
         return {"added": added, "removed": removed}
     started = int(time.time())
 
@@ -71,11 +81,30 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
     async def metrics_endpoint(_request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"content-type": metrics.content_type})
 
+    async def admin_replicas(_request: web.Request) -> web.Response:
+        tracker, now = router.state.tracker, router.state.clock()
+        return web.json_response({"replicas": [
+            {"name": replica.name, **replica.describe(), "in_flight": tracker.own_in_flight(replica.name),
+             "load_in_flight": tracker.in_flight(replica.name, now),
+             "mode": "precise" if router.precise.get(replica.name) else "approximate",
+             **(supervisor.describe(replica.name) if supervisor is not None else {})}
+            for replica in pool.replicas]})
+
+    async def admin_drain(request: web.Request) -> web.Response:
+        name, action = request.match_info["name"], request.match_info["action"]
+        if not (pool.drain(name) if action == "drain" else pool.undrain(name)):
+            raise NotFound(f"No replica named {name!r}.", param="name", code="replica_not_found")
+        replica = pool.by_name[name]
+        return web.json_response({"name": name, **replica.describe(),
+                                  "in_flight": router.state.tracker.own_in_flight(name)})
+
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/admin/replicas", admin_replicas)
+    app.router.add_post("/admin/replicas/{name}/{action:drain|undrain}", admin_drain)
     app.on_startup.append(pool.start)
     app.on_startup.append(scraper.start)
     app.on_startup.append(subscribers.start)
@@ -99,16 +128,19 @@ def ready_line(config: Config) -> str:
 
 
 async def serve(config: Config, on_ready: Callable[[], None] | None = None,
-                stop: asyncio.Event | None = None, config_path: str | None = None) -> None:
-    """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready."""
+                stop: asyncio.Event | None = None, config_path: str | None = None, launcher=None) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready.
+    Stopping drains: the listening socket closes at once, requests in flight get drain_grace_s
+    to finish (aiohttp's graceful shutdown), and only then does the caller stop the replicas."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(config, config_path)
+    app = build_app(config, config_path, launcher)
     # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
     # request so the replica stops generating for nobody.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.gateway.drain_grace_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.gateway.host, config.gateway.port, reuse_address=True,
@@ -127,9 +159,11 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
         announcer = asyncio.create_task(announce())
         await stop.wait()
         announcer.cancel()
-        log.info("gateway_stopping")
+        log.info("gateway_draining", in_flight=app["proxy"].active, grace_s=config.gateway.drain_grace_s)
     finally:
+        started = time.monotonic()
         await runner.cleanup()
+        log.info("gateway_stopped", drain_s=round(time.monotonic() - started, 3))
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         # Join the tokenizer threads while the loop is alive: uvloop.run's own shutdown of the
@@ -137,13 +171,14 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
         await loop.shutdown_default_executor()
 
 
-def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None) -> int:
+def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None,
+        launcher=None) -> int:
     try:
         import uvloop
     except ImportError:  # not on Windows; asyncio's loop works, slower
-        asyncio.run(serve(config, on_ready, config_path=config_path))
+        asyncio.run(serve(config, on_ready, config_path=config_path, launcher=launcher))
     else:
-        uvloop.run(serve(config, on_ready, config_path=config_path))
+        uvloop.run(serve(config, on_ready, config_path=config_path, launcher=launcher))
     return 0
 
 

@@ -1,5 +1,6 @@
 """The replicas behind the gateway: one keep-alive HTTP pool, and per replica what the gateway
-has learned (health, served models, max_model_len, tokenizer), refreshed in the background."""
+has learned (served models, max_model_len, tokenizer, default max_tokens) and whether it is in
+rotation (gateway/health.py: active probes every probe_interval_s, and what requests report)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,45 +11,60 @@ import aiohttp
 import msgspec
 import structlog
 
-from gateway.config import Config, ReplicaSpec
+from gateway.config import Config, HealthSection, ReplicaSpec
+from gateway.health import STATES, HealthPolicy, ReplicaHealth
+from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
 
 log = structlog.get_logger("kvgate.upstream")
 
-PROBE_TIMEOUT_S = 5.0
-PROBE_INTERVAL_READY_S = 5.0     # a healthy replica is re-checked this often
-PROBE_INTERVAL_WAITING_S = 0.5   # one still loading (or down) is polled faster, backing off to 5 s
+DISCOVERY_INTERVAL_S = 0.5   # a replica still loading is polled this often, backing off to 5 s
+
+
+def health_policy(section: HealthSection) -> HealthPolicy:
+    return HealthPolicy(healthy_threshold=section.healthy_threshold, unhealthy_threshold=section.unhealthy_threshold,
+                        eject_consecutive_failures=section.eject_consecutive_failures,
+                        eject_error_rate=section.eject_error_rate, error_window_s=section.error_window_s,
+                        error_min_requests=section.error_min_requests, eject_base_s=section.eject_base_s,
+                        eject_max_s=section.eject_max_s)
 
 
 class ReplicaState:
-    def __init__(self, spec: ReplicaSpec) -> None:
+    def __init__(self, spec: ReplicaSpec, policy: HealthPolicy) -> None:
         self.spec = spec
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
-        self.healthy = False
+        self.health = ReplicaHealth(policy, time.monotonic())
         self.models: list[str] = []
         self.max_model_len: int | None = None
+        self.default_max_tokens: int | None = None  # the replica's own default (its generation config)
         self.tokenizer: TokenizerBundle | None = None
         self.last_error: str | None = None
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
 
     @property
+    def healthy(self) -> bool:
+        return self.health.in_rotation
+
+    @property
     def ready(self) -> bool:
-        return self.healthy and self.tokenizer is not None
+        return self.health.in_rotation and self.tokenizer is not None
 
     def serves(self, model: str) -> bool:
         return model == self.spec.model or model in self.models
 
     def describe(self) -> dict:
-        return {"url": self.base_url, "healthy": self.healthy, "ready": self.ready,
+        return {"url": self.base_url, **self.health.describe(time.monotonic()), "ready": self.ready,
                 "models": self.models or [self.spec.model], "max_model_len": self.max_model_len,
                 "tokenizer": self.tokenizer is not None, "error": self.last_error}
 
 
 class ReplicaPool:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
-        self.replicas = [ReplicaState(spec) for spec in config.replicas]
+        self.metrics = metrics or GatewayMetrics()
+        self.policy = health_policy(config.health)
+        self.replicas = [ReplicaState(spec, self.policy) for spec in config.replicas]
         self.by_name = {replica.name: replica for replica in self.replicas}
         self.session: aiohttp.ClientSession | None = None
         self.all_ready = asyncio.Event()
@@ -59,10 +75,14 @@ class ReplicaPool:
         # One pool for all replicas; generous limits because streams hold connections for minutes.
         connector = aiohttp.TCPConnector(limit=4096, limit_per_host=1024, keepalive_timeout=60,
                                          enable_cleanup_closed=True)
+        # No total timeout here: the proxy holds each request to its own deadlines (first token,
+        # between tokens, whole request), which a long stream would otherwise outlive.
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=gateway.request_timeout_s,
-                                          connect=gateway.connect_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=None, connect=gateway.connect_timeout_s,
+                                          sock_connect=gateway.connect_timeout_s))
+        for replica in self.replicas:
+            self._show_state(replica)
         self._tasks = {replica.name: asyncio.create_task(self._watch(replica), name=f"watch-{replica.name}")
                        for replica in self.replicas}
 
@@ -90,27 +110,30 @@ class ReplicaPool:
                 replica.spec = spec  # same server; launch/capacity/kv_events edits need no re-probe
                 kept[spec.name] = replica
             else:
-                kept[spec.name] = ReplicaState(spec)
+                kept[spec.name] = ReplicaState(spec, self.policy)
         for name in removed:
             task = self._tasks.pop(name, None)
             if task is not None:
                 task.cancel()
+            for state in STATES:
+                try:
+                    self.metrics.replica_state.remove(name, state)
+                except KeyError:
+                    pass
         self.config = config
+        self.policy = health_policy(config.health)
+        for replica in kept.values():
+            replica.health.policy = self.policy
         self.replicas = list(kept.values())
         self.by_name = dict(kept)
         added = [name for name, replica in kept.items() if name not in self._tasks]
         if self.session is not None:
             for name in added:
+                self._show_state(kept[name])
                 self._tasks[name] = asyncio.create_task(self._watch(kept[name]), name=f"watch-{name}")
         if not all(r.ready for r in self.replicas):
             self.all_ready.clear()
         return added, removed
-
-    def mark_down_named(self, name: str, reason: str) -> None:
-        """mark_down by name; a replica a reload removed meanwhile is ignored."""
-        replica = self.by_name.get(name)
-        if replica is not None:
-            self.mark_down(replica, reason)
 
     def candidates(self, model: str) -> list[ReplicaState]:
         """Ready replicas serving `model`, in config order (policies rely on a stable order)."""
@@ -124,31 +147,72 @@ class ReplicaPool:
                 names[model] = None
         return list(names)
 
-    def mark_down(self, replica: ReplicaState, reason: str) -> None:
-        if replica.healthy:
-            log.warning("replica_down", replica=replica.name, reason=reason)
-        replica.healthy = False
-        replica.last_error = reason
-        self.all_ready.clear()
+    def report(self, replica: ReplicaState, ok: bool, reason: str | None = None, fatal: bool = False) -> None:
+        """What a request saw of a replica (passive health): a failure may eject it; `fatal` (a
+        refused connection) ejects it at once."""
+        if not ok:
+            replica.last_error = reason
+            replica.poke.set()  # probe it now rather than at the next interval
+        self._transition(replica, replica.health.on_request(ok, time.monotonic(), reason, fatal))
+
+    def drain(self, name: str) -> bool:
+        replica = self.by_name.get(name)
+        if replica is None:
+            return False
+        self._transition(replica, replica.health.drain(time.monotonic()))
+        return True
+
+    def undrain(self, name: str) -> bool:
+        replica = self.by_name.get(name)
+        if replica is None:
+            return False
+        self._transition(replica, replica.health.undrain(time.monotonic()))
         replica.poke.set()
+        return True
+
+    def _transition(self, replica: ReplicaState, old: str | None) -> None:
+        if old is None:
+            return
+        health = replica.health
+        fields = {"replica": replica.name, "from_state": old, "state": health.state}
+        if health.reason:
+            fields["reason"] = health.reason
+        if health.state == "ejected":
+            fields["back_in_s"] = round(health.ejected_until_s - time.monotonic(), 3)
+            self.metrics.ejections.labels(replica=replica.name, reason="probe" if old == "probing" or
+                                          "probe" in (health.reason or "") else "requests").inc()
+            log.warning("replica_state", **fields)
+        else:
+            log.info("replica_state", **fields)
+        self._show_state(replica)
+        if not replica.ready:
+            self.all_ready.clear()
+        elif all(r.ready for r in self.replicas):
+            self.all_ready.set()
+
+    def _show_state(self, replica: ReplicaState) -> None:
+        for state in STATES:
+            self.metrics.replica_state.labels(replica=replica.name, state=state).set(
+                1 if replica.health.state == state else 0)
 
     # ---- background discovery -----------------------------------------------------------------
 
     async def _watch(self, replica: ReplicaState) -> None:
         if replica.spec.tokenizer:
             await self._load_local_tokenizer(replica)
-        interval_s = PROBE_INTERVAL_WAITING_S
+        interval_s = DISCOVERY_INTERVAL_S
         while True:
             was_ready = replica.ready
             try:
                 await self._probe(replica)
+                old = replica.health.on_probe(True, time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a probe failure is a state, not a crash
-                if replica.healthy or replica.last_error is None:
-                    log.info("replica_not_ready", replica=replica.name, reason=_reason(exc))
-                replica.healthy = False
                 replica.last_error = _reason(exc)
+                old = replica.health.on_probe(False, time.monotonic(), f"health probe: {_reason(exc)}",
+                                              fatal=refused(exc))
+            self._transition(replica, old)
             if replica.ready and not was_ready:
                 log.info("replica_ready", replica=replica.name, url=replica.base_url,
                          models=replica.models, max_model_len=replica.max_model_len)
@@ -156,19 +220,24 @@ class ReplicaPool:
                 self.all_ready.set()
             else:
                 self.all_ready.clear()
-            interval_s = PROBE_INTERVAL_READY_S if replica.ready else min(interval_s * 1.5, 5.0)
+            if replica.health.state == "starting" or replica.tokenizer is None:
+                interval_s = min(interval_s * 1.5, 5.0)  # still loading: poll fast, backing off
+            else:
+                interval_s = self.config.health.probe_interval_s
             replica.poke.clear()
             try:
                 await asyncio.wait_for(replica.poke.wait(), interval_s)
-                interval_s = PROBE_INTERVAL_WAITING_S
+                interval_s = DISCOVERY_INTERVAL_S
             except asyncio.TimeoutError:
                 pass
 
     async def _probe(self, replica: ReplicaState) -> None:
-        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S, connect=self.config.gateway.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.health.probe_timeout_s,
+                                        connect=self.config.gateway.connect_timeout_s)
         async with self.session.get(replica.base_url + "/health", timeout=timeout) as resp:
             if resp.status != 200:
-                raise RuntimeError(f"/health answered HTTP {resp.status}")
+                text = (await resp.read())[:200].decode(errors="replace")
+                raise RuntimeError(f"/health answered HTTP {resp.status} {text}".strip())
         if not replica.models:
             async with self.session.get(replica.base_url + "/v1/models", timeout=timeout) as resp:
                 resp.raise_for_status()
@@ -191,7 +260,12 @@ class ReplicaPool:
                 None, TokenizerBundle.from_payload, gzip.decompress(payload) if gzipped else payload)
             log.info("tokenizer_loaded", replica=replica.name, source="replica",
                      load_ms=round((time.perf_counter() - started) * 1000, 1))
-        replica.healthy = True
+            # A built-in replica says its default sampling; a resumed answer keeps its max_tokens.
+            async with self.session.get(replica.base_url + "/model_info", timeout=timeout) as resp:
+                if resp.status == 200:
+                    preferred = (msgspec.json.decode(await resp.read()) or {}).get("preferred_sampling_params")
+                    if isinstance(preferred, dict) and isinstance(preferred.get("max_tokens"), int):
+                        replica.default_max_tokens = preferred["max_tokens"]
         replica.last_error = None
 
     async def _load_local_tokenizer(self, replica: ReplicaState) -> None:
@@ -203,6 +277,11 @@ class ReplicaPool:
         except Exception as exc:
             replica.last_error = f"tokenizer {path}: {_reason(exc)}"
             log.error("tokenizer_load_failed", replica=replica.name, path=path, error=_reason(exc))
+
+
+def refused(exc: BaseException) -> bool:
+    """A refused connection: nothing listens on the replica's port (its process is gone)."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
 
 
 def _identity(spec: ReplicaSpec) -> tuple:

@@ -53,6 +53,21 @@ class GatewayMetrics:
                                        ["replica"], registry=r)
         self.config_reloads = Counter("kvgate_config_reloads", "Routing YAML reloads, by result.", ["result"],
                                       registry=r)
+        # Failover: what failed, what was tried again, how long a resumed stream waited.
+        self.try_failures = Counter("kvgate_try_failures", "Tries that a replica failed (connect error, "
+                                    "timeout, stall, 5xx, dropped stream).", ["replica"], registry=r)
+        self.retries = Counter("kvgate_retries", "Tries after the first: retry (no token yet) or resume "
+                               "(continued after k tokens).", ["kind"], registry=r)
+        self.resume_latency = Histogram("kvgate_resume_latency_seconds", "A failed try to the next try's "
+                                        "first token.", buckets=TTFT_BUCKETS_S, registry=r)
+        self.queued = Gauge("kvgate_queued_requests", "Requests waiting for a replica with room.", registry=r)
+        self.replica_state = Gauge("kvgate_replica_state", "1 for the state each replica is in "
+                                   "(starting, healthy, ejected, probing, draining).", ["replica", "state"],
+                                   registry=r)
+        self.ejections = Counter("kvgate_replica_ejections", "Times a replica was taken out of rotation.",
+                                 ["replica", "reason"], registry=r)
+        self.restarts = Counter("kvgate_replica_restarts", "Launched replicas restarted after they exited.",
+                                ["replica"], registry=r)
 
     def observe_request(self, *, replica: str | None, status: int, ttft_s: float | None,
                         itl_s: list[float], e2e_s: float, prompt_tokens: int | None,

@@ -23,7 +23,8 @@ class RequestRecord:
     __slots__ = ("request_id", "model", "replica", "endpoint", "stream", "status",
                  "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "finish_reason", "error", "routing", "started_s",
-                 "first_token_s", "last_token_s", "itl_s", "finished_s", "_emitted")
+                 "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers",
+                 "_emitted")
 
     def __init__(self, request_id: str, endpoint: str) -> None:
         self.request_id = request_id
@@ -45,6 +46,8 @@ class RequestRecord:
         self.last_token_s: float | None = None
         self.itl_s: list[float] = []
         self.finished_s: float | None = None
+        self.failover: list[dict] | None = None  # one entry per failed try: replica, after_tokens, reason
+        self.failed_after_headers = False        # its 200 had gone out before it failed (status is the truth)
         self._emitted = False
 
     def tokens_arrived(self, ids: list[int], now_s: float) -> None:
@@ -57,6 +60,12 @@ class RequestRecord:
             self.itl_s.append(now_s - self.last_token_s)
         self.last_token_s = now_s
         self.output_token_ids.extend(ids)
+
+    def add_failover(self, replica: str, after_tokens: int, reason: str) -> None:
+        """A try on `replica` failed after `after_tokens` output tokens; the next try continues."""
+        if self.failover is None:
+            self.failover = []
+        self.failover.append({"replica": replica, "after_tokens": after_tokens, "reason": reason})
 
     def fail(self, status: int, error: str) -> None:
         self.status = status
@@ -86,6 +95,10 @@ class RequestRecord:
         }
         if self.error is not None:
             fields["error"] = self.error
+        if self.failover:
+            fields["failover"] = self.failover
+        if self.failed_after_headers:
+            fields["failed_after_headers"] = True
         prompt_ids = self.prompt_token_ids
         if token_ids == "full":
             fields["prompt_token_ids"] = prompt_ids

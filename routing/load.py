@@ -139,6 +139,11 @@ class LoadTracker:
         if ticket is not None:
             load.running_prompts.pop(ticket, None)
 
+    def own_in_flight(self, replica: str) -> int:
+        """Our own requests on `replica` (routed, not yet finished): the gateway's admission count."""
+        load = self.replicas.get(replica)
+        return 0 if load is None else load.waiting + load.decoding
+
     def running_prefix(self, replica: str, block_hashes: Sequence[int], depth: int) -> bool:
         """Is one of our requests in flight on `replica` sharing this prompt's first `depth`
         blocks? (Chained hashes: equal hash at depth-1 means equal prefix.) A loop over that

@@ -1,0 +1,361 @@
+"""Failover that loses nothing, against real processes on loopback: `kvgate up` with tiny replicas
+that the tests kill (SIGKILL), freeze (SIGSTOP) or make fail, and the answers compared token for
+token with what the same requests get when nothing fails."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+
+from bench.stub_backend import StubProcess
+from tests.servers import free_port, run_gateway, run_process, run_replica
+from tests.test_cache_routing import poll
+from tests.test_gateway import Gateway, http, metric
+
+FAST_HEALTH = ("health: {probe_interval_s: 0.3, probe_timeout_s: 0.5, healthy_threshold: 2, unhealthy_threshold: 2,\n"
+               "         eject_base_s: 1, restart_backoff_s: 0.5}\n")
+TIMEOUT = httpx.Timeout(60.0)
+
+
+class Up:
+    """`kvgate up` over N launched tiny replicas (names r0..), with short timeouts for failure tests."""
+
+    def __init__(self, server, names: list[str]) -> None:
+        self.server = server
+        self.url = server.url
+        self.names = names
+        self.gateway = Gateway(server, [])
+
+    def admin(self) -> dict:
+        return {entry["name"]: entry for entry in http("GET", self.url + "/admin/replicas")[2]["replicas"]}
+
+    def pid(self, name: str) -> int:
+        return self.admin()[name]["process"]["pid"]
+
+    def replica_url(self, name: str) -> str:
+        return self.admin()[name]["url"]
+
+    def serving(self) -> str:
+        """The replica that runs a request now (its engine says so)."""
+        def busy():
+            for name in self.names:
+                with contextlib.suppress(Exception):
+                    text = http("GET", self.replica_url(name) + "/metrics")[2]
+                    if metric(text, "vllm:num_requests_running") > 0:
+                        return name
+            return None
+        return poll(busy, "a replica running the request", self.server, timeout_s=20)
+
+    def wait_all_healthy(self) -> None:
+        poll(lambda: all(e["state"] == "healthy" and e["ready"] for e in self.admin().values()),
+             "every replica healthy", self.server, timeout_s=60)
+
+
+@contextlib.contextmanager
+def kvgate_up(tmp_path, replicas: int = 2, gateway_extra: str = "", policy: str = "round_robin"):
+    port = free_port()
+    names = [f"r{i}" for i in range(replicas)]
+    config = tmp_path / "up.yaml"
+    config.write_text(
+        f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 1, ttft_timeout_s: 3,\n"
+        f"          inter_token_timeout_s: 1, drain_grace_s: 20{gateway_extra}}}\n" + FAST_HEALTH
+        + f"logging: {{format: json}}\nrouting: {{policy: {policy}}}\nreplicas:\n"
+        + "".join(f"  - {{name: {name}, url: 'http://127.0.0.1:{free_port()}', model: tiny, "
+                  f"launch: {{model: tiny}}}}\n" for name in names))
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config)]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up",
+                     startup_timeout_s=120) as server:
+        up = Up(server, names)
+        up.config_path = config
+        up.wait_all_healthy()
+        yield up
+
+
+def stream(url: str, path: str, body: dict, request_id: str, on_chunk=None) -> dict:
+    """Read a streamed answer as an SSE client does: text, token IDs, usage, in-band error, [DONE]s."""
+    out = {"text": "", "ids": [], "usage": None, "error": None, "done": 0, "roles": 0}
+    with httpx.Client(timeout=TIMEOUT) as client:
+        with client.stream("POST", url + path, json={**body, "stream": True},
+                           headers={"x-request-id": request_id}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] += 1
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                out["usage"] = chunk.get("usage") or out["usage"]
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    out["roles"] += "role" in delta
+                    out["text"] += delta.get("content") or choice.get("text") or ""
+                    out["ids"] += choice.get("token_ids") or []
+                if on_chunk is not None:
+                    on_chunk(out)
+    return out
+
+
+def answer(url: str, path: str, body: dict, request_id: str) -> dict:
+    status, _, reply = http("POST", url + path, body, {"x-request-id": request_id})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return {"text": text, "ids": choice.get("token_ids"), "usage": reply["usage"]}
+
+
+def body_for(path: str, n: int, max_tokens: int = 160) -> dict:
+    common = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if path.endswith("chat/completions"):
+        return {**common, "messages": [{"role": "user", "content": f"Tell me story number {n} about a fox."}]}
+    return {**common, "prompt": f"Story number {n}: the quick brown fox"}
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    with kvgate_up(tmp_path_factory.mktemp("failover")) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path, fault):
+    up.wait_all_healthy()
+    n = random.randrange(10**6)
+    reference = answer(up.url, path, {**body_for(path, n), "stream": False}, f"ref-{fault}-{n}")
+    frozen = []
+
+    def inject(progress):
+        if len(progress["ids"]) >= 20 and not frozen:
+            name = up.serving()
+            pid = up.pid(name)
+            os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            frozen.append((name, pid))
+
+    request_id = f"resume-{fault}-{n}"
+    try:
+        got = stream(up.url, path, body_for(path, n), request_id, inject)
+    finally:
+        if fault == "stop" and frozen:
+            os.kill(frozen[0][1], signal.SIGCONT)
+    assert frozen, "the fault was never injected"
+    assert got["error"] is None and got["done"] == 1 and got["roles"] <= 1
+    assert got["ids"] == reference["ids"] and got["text"] == reference["text"]  # nothing lost, nothing twice
+    assert got["usage"]["completion_tokens"] == 160 == len(got["ids"])
+    record = up.gateway.record(request_id)
+    assert record["status"] == 200 and record["output_token_ids"] == reference["ids"]
+    failover = record["failover"][0]
+    assert failover["replica"] == frozen[0][0] and failover["after_tokens"] >= 20
+    assert failover["resumed_on"] != frozen[0][0] and failover["resume_ms"] > 0
+    assert failover["reason"] == "stalled" if fault == "stop" else failover["reason"].startswith("disconnected")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streamed_answer_resumes_too(up, path):
+    up.wait_all_healthy()
+    n = random.randrange(10**6)
+    body = {**body_for(path, n, max_tokens=400), "stream": False}
+    reference = answer(up.url, path, body, f"ref-json-{n}")
+    killed = []
+
+    def kill_when_busy():
+        name = up.serving()
+        time.sleep(0.2)  # some tokens out
+        os.kill(up.pid(name), signal.SIGKILL)
+        killed.append(name)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    got = answer(up.url, path, body, f"json-kill-{n}")
+    killer.join()
+    assert got["ids"] == reference["ids"] and got["text"] == reference["text"]
+    assert got["usage"]["completion_tokens"] == 400
+    record = up.gateway.record(f"json-kill-{n}")
+    assert record["failover"][0]["replica"] == killed[0] and record["failover"][0]["after_tokens"] > 0
+
+
+def test_a_replica_that_hangs_before_answering_is_tried_elsewhere(up):
+    up.wait_all_healthy()
+    frozen = up.pid("r0")
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        ids = [f"hang-{random.randrange(10**9)}-{i}" for i in range(4)]
+        for request_id in ids:  # round robin sends one of them to r0 before probes eject it
+            got = stream(up.url, "/v1/completions", body_for("/v1/completions", 1, max_tokens=8), request_id)
+            assert got["error"] is None and len(got["ids"]) == 8
+        records = [up.gateway.record(request_id) for request_id in ids]
+        assert all(r["status"] == 200 and r["replica"] == "r1" for r in records)
+        reasons = [f["reason"] for r in records for f in r.get("failover") or []]
+        assert "no first token within ttft_timeout_s" in reasons or up.admin()["r0"]["state"] == "ejected"
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+
+
+def test_chaos_kill_and_freeze_under_load_loses_nothing(tmp_path):
+    """3 replicas under `kvgate up`, 300 requests (half streamed, greedy) at concurrency 32; one
+    replica SIGKILLed mid-run (the supervisor restarts it), another SIGSTOPped for 3 s."""
+    with kvgate_up(tmp_path, replicas=3) as cluster:
+        requests = []
+        for n in range(300):
+            path = "/v1/chat/completions" if n % 3 == 0 else "/v1/completions"
+            requests.append((n, path, n % 2 == 0, body_for(path, n, max_tokens=24 + n % 17)))
+        reference = {}
+        for n, path, _, body in requests:  # the no-fault answers, one at a time
+            reference[n] = answer(cluster.url, path, {**body, "stream": False}, f"chaos-ref-{n}")
+
+        started = threading.Event()
+
+        def run(item):
+            n, path, streamed, body = item
+            started.set()
+            if streamed:
+                return n, stream(cluster.url, path, body, f"chaos-{n}")
+            return n, {**answer(cluster.url, path, {**body, "stream": False}, f"chaos-{n}"), "error": None,
+                       "done": 1, "roles": 0}
+
+        def faults():
+            started.wait(30)
+            time.sleep(1.0)
+            os.kill(cluster.pid("r0"), signal.SIGKILL)
+            time.sleep(0.5)
+            frozen = cluster.pid("r1")
+            os.kill(frozen, signal.SIGSTOP)
+            time.sleep(3.0)
+            os.kill(frozen, signal.SIGCONT)
+
+        fault_thread = threading.Thread(target=faults)
+        fault_thread.start()
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            results = dict(pool.map(run, requests))
+        fault_thread.join()
+
+        for n, path, streamed, _ in requests:
+            got, want = results[n], reference[n]
+            assert got["error"] is None and got["done"] == 1 and got["roles"] <= 1, (n, got)
+            assert got["ids"] == want["ids"] and got["text"] == want["text"], n  # nothing lost or doubled
+        records = {n: cluster.gateway.record(f"chaos-{n}") for n in results}
+        assert all(r["status"] == 200 for r in records.values())
+        assert any(r.get("failover") for r in records.values())  # the faults did hit requests
+        # The killed replica is back (restarted by the supervisor) and serving.
+        cluster.wait_all_healthy()
+        assert cluster.admin()["r0"]["process"]["restarts_last_minute"] >= 1
+        for n in range(6):
+            stream(cluster.url, "/v1/completions", body_for("/v1/completions", n, max_tokens=4), f"after-{n}")
+        assert "r0" in {cluster.gateway.record(f"after-{n}")["replica"] for n in range(6)}
+        text = http("GET", cluster.url + "/metrics")[2]
+        poll(lambda: metric(http("GET", cluster.url + "/metrics")[2], "kvgate_requests_in_flight") == 0,
+             "in-flight gauges back to 0", cluster.server)
+        assert metric(text, "kvgate_replica_restarts_total", replica="r0") >= 1
+
+
+def test_retries_skip_a_failing_replica_then_stop_when_every_replica_fails(tmp_path):
+    with contextlib.ExitStack() as stack:
+        failing = [stack.enter_context(StubProcess(model="tiny", fail_status=500)) for _ in range(2)]
+        good = stack.enter_context(run_replica("tiny"))
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+
+        def write(urls):
+            config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_attempts: 3}}\n" + FAST_HEALTH
+                              + "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
+                              + "".join(f"  - {{name: {name}, url: '{url}', model: tiny}}\n" for name, url in urls))
+        write([("bad0", failing[0].url), ("good", good.url)])
+        with run_gateway(config, port) as server:
+            gateway = Gateway(server, [])
+            for i in range(4):
+                got = answer(server.url, "/v1/completions", {**body_for("/v1/completions", i, 4), "stream": False},
+                             f"skip-{i}")
+                assert len(got["ids"]) == 4
+            records = [gateway.record(f"skip-{i}") for i in range(4)]
+            assert all(r["replica"] == "good" for r in records)
+            assert records[0]["failover"][0]["reason"].startswith("HTTP 500 from bad0")
+        write([("bad0", failing[0].url), ("bad1", failing[1].url)])
+        with run_gateway(config, port) as server:
+            gateway = Gateway(server, [])
+            status, headers, reply = http("POST", server.url + "/v1/completions",
+                                          {**body_for("/v1/completions", 0, 4), "stream": False},
+                                          {"x-request-id": "exhausted"})
+            assert status == 500 and reply["error"]["message"] == "stub configured to fail with 500"
+            record = gateway.record("exhausted")
+            assert record["status"] == 500 and len(record["failover"]) == 3  # bounded: max_attempts
+
+
+def test_no_healthy_replica_is_a_503_and_a_full_queue_a_429(tmp_path):
+    with contextlib.ExitStack() as stack:
+        replica = stack.enter_context(run_replica("tiny"))
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_in_flight_per_replica: 1, queue_size: 0}}\n"
+                          + FAST_HEALTH + "logging: {format: json}\nreplicas:\n"
+                          f"  - {{name: r0, url: '{replica.url}', model: tiny}}\n")
+        server = stack.enter_context(run_gateway(config, port))
+        long = threading.Thread(target=stream, args=(server.url, "/v1/completions",
+                                                     body_for("/v1/completions", 1, 1500), "long"))
+        long.start()
+        poll(lambda: http("GET", server.url + "/admin/replicas")[2]["replicas"][0]["in_flight"] == 1,
+             "the long request in flight", server)
+        status, headers, reply = http("POST", server.url + "/v1/completions",
+                                      {**body_for("/v1/completions", 2, 4), "stream": False})
+        assert status == 429 and headers["Retry-After"] == "1" and reply["error"]["type"] == "rate_limit_error"
+        long.join()
+        os.kill(replica.proc.pid, signal.SIGKILL)
+        replica.proc.wait()
+        poll(lambda: http("GET", server.url + "/admin/replicas")[2]["replicas"][0]["state"] == "ejected",
+             "r0 ejected", server)
+        status, headers, reply = http("POST", server.url + "/v1/completions",
+                                      {**body_for("/v1/completions", 3, 4), "stream": False})
+        assert status == 503 and headers["Retry-After"] == "1" and "No healthy replica" in reply["error"]["message"]
+
+
+def test_drain_takes_a_replica_out_without_dropping_its_requests_and_sigterm_drains_the_gateway(up):
+    up.wait_all_healthy()
+    results = {}
+
+    def long_stream():
+        results["long"] = stream(up.url, "/v1/completions", body_for("/v1/completions", 7, 600), "drain-long")
+    runner = threading.Thread(target=long_stream)
+    runner.start()
+    busy = up.serving()
+    status, _, reply = http("POST", up.url + f"/admin/replicas/{busy}/drain")
+    assert status == 200 and reply["state"] == "draining" and reply["in_flight"] == 1
+    for i in range(4):
+        stream(up.url, "/v1/completions", body_for("/v1/completions", i, 4), f"while-draining-{i}")
+        assert up.gateway.record(f"while-draining-{i}")["replica"] != busy
+    runner.join()
+    assert results["long"]["error"] is None and len(results["long"]["ids"]) == 600
+    assert up.gateway.record("drain-long")["replica"] == busy and "failover" not in up.gateway.record("drain-long")
+    status, _, reply = http("POST", up.url + f"/admin/replicas/{busy}/undrain")
+    assert status == 200 and reply["state"] in ("healthy", "probing")
+    status, _, reply = http("POST", up.url + "/admin/replicas/nobody/drain")
+    assert status == 404 and reply["error"]["code"] == "replica_not_found"
+
+
+def test_sigterm_finishes_requests_in_flight_before_the_replicas_stop(tmp_path):
+    with kvgate_up(tmp_path) as cluster:
+        results = {}
+        runner = threading.Thread(target=lambda: results.update(
+            long=stream(cluster.url, "/v1/completions", body_for("/v1/completions", 9, 500), "sigterm-long")))
+        runner.start()
+        cluster.serving()
+        pids = [cluster.pid(name) for name in cluster.names]
+        cluster.server.proc.send_signal(signal.SIGTERM)
+        runner.join()
+        assert results["long"]["error"] is None and len(results["long"]["ids"]) == 500 and results["long"]["done"] == 1
+        assert cluster.server.proc.wait(timeout=30) == 0
+        for pid in pids:  # stopped after the drain
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        logs = cluster.server.logs()
+        assert '"gateway_draining"' in logs and '"gateway_stopped"' in logs
