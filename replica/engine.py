@@ -19,7 +19,8 @@ the final event carries the pin. A pull copies pinned blocks from the loop's sid
 a pinned block) and hands them back with `release_pinned`; the worker releases them, so the pool
 keeps one writer. A request submitted with `staged_kv` (decode side) carries prompt blocks already
 pulled; the worker writes them into the blocks admission gave it, before the step's forward, so
-the copy never races a forward.
+the copy never races a forward. The loop's other pool calls (`local_prefix_blocks`: a lookup and an
+LRU touch; `claim_pin`) take `_state_lock` and allocate or free nothing.
 """
 from __future__ import annotations
 

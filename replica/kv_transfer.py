@@ -24,6 +24,7 @@ import time
 
 import aiohttp
 import msgspec
+import numpy as np
 import structlog
 from aiohttp import web
 from yarl import URL
@@ -33,7 +34,7 @@ from protocol.kv_transfer import (INVALID_BLOCKS, INVALID_PARAMS, LAYOUT_MISMATC
                                   REJECTED, ROLE_MISMATCH, TRANSFER_FAILED, UNKNOWN_ENGINE, UNKNOWN_REQUEST,
                                   FailurePolicy, KVPullRequest, KVTransferParams, KVTransferStats, RemoteSource,
                                   remote_source)
-from replica.kv_codec import StagedKV, layout_of, pack_blocks
+from replica.kv_codec import StagedKV, layout_of, new_buffer, pack_blocks
 from replica.kv_pins import KVPin, prompt_digest
 from routing.hashing import block_hashes
 
@@ -141,7 +142,7 @@ class KVTransfer:
                                 blocks_pulled=len(wanted), blocks_local=local, remote=f"{source.host}:{source.port}")
         return StagedKV(local, len(wanted), data), stats
 
-    async def _fetch(self, source: RemoteSource, pull: KVPullRequest, expected: int) -> bytearray:
+    async def _fetch(self, source: RemoteSource, pull: KVPullRequest, expected: int) -> np.ndarray:
         where = f"{source.host}:{source.port}"
         url = URL.build(scheme="http", host=source.host, port=source.port, path=PULL_PATH)
         if self._session is None:
@@ -155,7 +156,7 @@ class KVTransfer:
                 if response.content_length != expected:
                     raise KVPullFailed(f"KV pull from {where} answered {response.content_length} bytes, "
                                        f"expected {expected}.", code=TRANSFER_FAILED)
-                buffer = bytearray(expected)
+                buffer = new_buffer(expected)
                 view = memoryview(buffer)
                 async for chunk in response.content.iter_any():  # socket-sized chunks: one memcpy each
                     view[filled:filled + len(chunk)] = chunk

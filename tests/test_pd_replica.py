@@ -452,13 +452,14 @@ def test_pin_table_claims_once_and_expires_by_lease():
 
 
 def test_packed_blocks_unpack_to_the_same_tensors():
+    import numpy as np
     import torch
 
     from replica.kv_codec import StagedKV, pack_blocks, unpack_blocks
     shape = (8, 4, 2, 3)  # blocks, block size, kv heads, head dim
     source = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
     target = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
-    data = bytearray(pack_blocks(source, [5, 1, 6]))
+    data = np.frombuffer(pack_blocks(source, [5, 1, 6]), dtype=np.uint8).copy()
     assert len(data) == 3 * 2 * 2 * 4 * 2 * 3 * 4
     unpack_blocks(target, StagedKV(first_block=0, num_blocks=3, data=data), skip_blocks=1, block_ids=[2, 7])
     for (k, v), (k2, v2) in zip(source, target):
