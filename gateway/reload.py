@@ -22,7 +22,9 @@ log = structlog.get_logger("kvgate.reload")
 
 POLL_S = 1.0
 # What a reload cannot change: the listening socket and the logging setup, fixed at startup.
-_RESTART_ONLY = ("gateway.host", "gateway.port", "gateway.max_body_bytes", "logging.level", "logging.format")
+_RESTART_ONLY = ("gateway.host", "gateway.port", "gateway.max_body_bytes", "gateway.connect_timeout_s",
+                 "gateway.drain_grace_s", "logging.level", "logging.format", "logging.file",
+                 "logging.file_max_mb", "logging.file_keep")
 
 
 class ConfigWatcher(BackgroundLoop):

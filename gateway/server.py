@@ -51,6 +51,7 @@ def build_app(config: Config, config_path: str | None = None, launcher=None) -> 
         added, removed = pool.apply(new)
         subscribers.sync(new)
         request_log.token_ids = new.logging.token_ids
+        proxy.budget.fraction, proxy.budget.minimum = new.gateway.retry_budget, new.gateway.retry_budget_min
         if supervisor is not None:  # processes start/stop in the background (stopping waits for requests)
             app["supervisor_sync"] = asyncio.get_running_loop().create_task(supervisor.sync(new))
         return {"added": added, "removed": removed}

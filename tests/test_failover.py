@@ -60,17 +60,20 @@ class Up:
              "every replica healthy", self.server, timeout_s=60)
 
 
+def up_config(port: int, names: list[str], policy: str = "round_robin") -> str:
+    return (f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 1, ttft_timeout_s: 3,\n"
+            f"          inter_token_timeout_s: 1, drain_grace_s: 20}}\n" + FAST_HEALTH
+            + f"logging: {{format: json}}\nrouting: {{policy: {policy}}}\nreplicas:\n"
+            + "".join(f"  - {{name: {name}, url: 'http://127.0.0.1:{free_port()}', model: tiny, "
+                      f"launch: {{model: tiny}}}}\n" for name in names))
+
+
 @contextlib.contextmanager
-def kvgate_up(tmp_path, replicas: int = 2, gateway_extra: str = "", policy: str = "round_robin"):
+def kvgate_up(tmp_path, replicas: int = 2, policy: str = "round_robin"):
     port = free_port()
     names = [f"r{i}" for i in range(replicas)]
     config = tmp_path / "up.yaml"
-    config.write_text(
-        f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 1, ttft_timeout_s: 3,\n"
-        f"          inter_token_timeout_s: 1, drain_grace_s: 20{gateway_extra}}}\n" + FAST_HEALTH
-        + f"logging: {{format: json}}\nrouting: {{policy: {policy}}}\nreplicas:\n"
-        + "".join(f"  - {{name: {name}, url: 'http://127.0.0.1:{free_port()}', model: tiny, "
-                  f"launch: {{model: tiny}}}}\n" for name in names))
+    config.write_text(up_config(port, names, policy))
     argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config)]
     with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up",
                      startup_timeout_s=120) as server:
@@ -359,3 +362,140 @@ def test_sigterm_finishes_requests_in_flight_before_the_replicas_stop(tmp_path):
                 os.kill(pid, 0)
         logs = cluster.server.logs()
         assert '"gateway_draining"' in logs and '"gateway_stopped"' in logs
+
+
+def test_a_reload_launches_added_replicas_and_stops_removed_ones_under_load(tmp_path):
+    with kvgate_up(tmp_path) as cluster:
+        removed_pid = cluster.pid("r1")
+        results, stop = [], threading.Event()
+
+        def load(worker: int):
+            n = 0
+            while not stop.is_set() and n < 200:
+                results.append(stream(cluster.url, "/v1/completions", body_for("/v1/completions", n, 12),
+                                      f"reload-{worker}-{n}"))
+                n += 1
+        workers = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+        for worker in workers:
+            worker.start()
+        time.sleep(1.0)
+        text = cluster.config_path.read_text()
+        r1_line = next(line for line in text.splitlines() if "name: r1," in line)
+        r2_line = r1_line.replace("name: r1,", "name: r2,").replace(
+            r1_line.split("'")[1], f"http://127.0.0.1:{free_port()}")
+        tmp = cluster.config_path.with_suffix(".tmp")
+        tmp.write_text(text.replace(r1_line, r2_line))
+        os.replace(tmp, cluster.config_path)
+        cluster.names = ["r0", "r2"]
+        poll(lambda: set(cluster.admin()) == {"r0", "r2"} and cluster.admin()["r2"]["state"] == "healthy",
+             "r2 launched and healthy", cluster.server, timeout_s=60)
+        time.sleep(1.0)  # r2 takes its share of the load
+        stop.set()
+        for worker in workers:
+            worker.join()
+        assert results and all(r["error"] is None and len(r["ids"]) == 12 for r in results)
+        poll(lambda: _gone(removed_pid), "r1's process stopped", cluster.server)
+        served = {r["replica"] for r in cluster.gateway.records() if r["request_id"].startswith("reload-")}
+        assert "r2" in served
+        logs = cluster.server.logs()
+        assert '"replica_launched"' in logs and '"replica_stopped"' in logs
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with contextlib.suppress(ChildProcessError):  # a zombie until its parent reaps it
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+class Blackhole:
+    """A TCP forwarder to a real replica that can stop answering: it stops accepting, drops the
+    connections it carries, and fills its accept queue, so a new connection's SYN goes unanswered
+    (what a partitioned or wedged host looks like: a connect timeout, not a refusal)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        self.socket_mod = socket
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.port = self.listener.getsockname()[1]
+        self.pairs: list = []
+        self.open = True
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        socket = self.socket_mod
+        while self.open:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open:
+                client.close()
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.pairs.append((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(1)
+
+    def cut(self) -> None:
+        self.open = False
+        for a, b in self.pairs:
+            for sock in (a, b):
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self.fillers = []
+        for _ in range(4):  # the accept queue fills; later SYNs are dropped
+            filler = self.socket_mod.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError, OSError):
+                filler.connect(("127.0.0.1", self.port))
+            self.fillers.append(filler)
+
+    def close(self) -> None:
+        self.open = False
+        for sock in [self.listener, *getattr(self, "fillers", [])]:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def test_a_connect_timeout_is_tried_on_another_replica(tmp_path):
+    with contextlib.ExitStack() as stack:
+        first, second = (stack.enter_context(run_replica("tiny")) for _ in range(2))
+        hole = Blackhole(first.port)
+        stack.callback(hole.close)
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 0.5}}\n"
+                          "health: {probe_interval_s: 30}\nlogging: {format: json}\nrouting: {policy: round_robin}\n"
+                          f"replicas:\n  - {{name: walled, url: 'http://127.0.0.1:{hole.port}', model: tiny}}\n"
+                          f"  - {{name: open, url: '{second.url}', model: tiny}}\n")
+        server = stack.enter_context(run_gateway(config, port))
+        gateway = Gateway(server, [])
+        hole.cut()
+        time.sleep(0.2)  # the gateway's pooled connections to it see their end
+        for i in range(2):
+            got = answer(server.url, "/v1/completions", {**body_for("/v1/completions", i, 4), "stream": False},
+                         f"walled-{i}")
+            assert len(got["ids"]) == 4
+        records = [gateway.record(f"walled-{i}") for i in range(2)]
+        assert all(r["replica"] == "open" and r["status"] == 200 for r in records)
+        reasons = [f["reason"] for r in records for f in r.get("failover") or []]
+        assert any(reason.startswith("connect:") and "imeout" in reason for reason in reasons), reasons
