@@ -203,7 +203,6 @@ async def _serve(args, loaded, defaults, log) -> int:
         log.info("replica_stopping")
     finally:
         await runner.cleanup()
-        await server.kv.close()
         engine.shutdown()
         if kv_events is not None:
             kv_events.close()

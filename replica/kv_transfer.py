@@ -22,18 +22,17 @@ import asyncio
 import secrets
 import time
 
-import aiohttp
 import msgspec
 import numpy as np
 import structlog
 from aiohttp import web
-from yarl import URL
 
 from protocol.errors import APIError, BadRequest, NotFound, Overloaded
 from protocol.kv_transfer import (INVALID_BLOCKS, INVALID_PARAMS, LAYOUT_MISMATCH, PROMPT_MISMATCH, PULL_PATH,
                                   REJECTED, ROLE_MISMATCH, TRANSFER_FAILED, UNKNOWN_ENGINE, UNKNOWN_REQUEST,
                                   FailurePolicy, KVPullRequest, KVTransferParams, KVTransferStats, RemoteSource,
                                   remote_source)
+from replica.bulk_http import BadAnswer, CutShort, ErrorAnswer, post_for_bytes
 from replica.kv_codec import StagedKV, layout_of, new_buffer, pack_blocks
 from replica.kv_pins import KVPin, prompt_digest
 from routing.hashing import block_hashes
@@ -62,11 +61,6 @@ class KVTransfer:
         self.failure_policy = failure_policy
         self.layout = layout_of(engine.runner.kv_caches)
         self.advertised: tuple[str, int] | None = None  # remote_host/remote_port: set once listening
-        self._session: aiohttp.ClientSession | None = None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
     # -- one generation request ------------------------------------------------------------------
     async def prepare(self, request: web.Request, params: KVTransferParams, prompt_ids: list[int],
@@ -144,34 +138,25 @@ class KVTransfer:
 
     async def _fetch(self, source: RemoteSource, pull: KVPullRequest, expected: int) -> np.ndarray:
         where = f"{source.host}:{source.port}"
-        url = URL.build(scheme="http", host=source.host, port=source.port, path=PULL_PATH)
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.pull_timeout_s))
-        filled = 0
+        buffer = new_buffer(expected)
+        progress = [0]
         try:
-            async with self._session.post(url, data=msgspec.json.encode(pull),
-                                          headers={"Content-Type": "application/json"}) as response:
-                if response.status != 200:
-                    raise await _refusal(response, where)
-                if response.content_length != expected:
-                    raise KVPullFailed(f"KV pull from {where} answered {response.content_length} bytes, "
-                                       f"expected {expected}.", code=TRANSFER_FAILED)
-                buffer = new_buffer(expected)
-                view = memoryview(buffer)
-                async for chunk in response.content.iter_any():  # socket-sized chunks: one memcpy each
-                    view[filled:filled + len(chunk)] = chunk
-                    filled += len(chunk)
-        except asyncio.TimeoutError as exc:  # before OSError: on 3.11 it is the builtin TimeoutError
+            async with asyncio.timeout(self.pull_timeout_s):
+                await post_for_bytes(source.host, source.port, PULL_PATH, msgspec.json.encode(pull), buffer, progress)
+        except TimeoutError as exc:  # before OSError, which it subclasses
             raise KVPullFailed(f"KV pull from {where} timed out after {self.pull_timeout_s:g}s "
-                               f"(--kv-pull-timeout-s) with {filled} of {expected} bytes.",
+                               f"(--kv-pull-timeout-s) with {progress[0]} of {expected} bytes.",
                                code=TRANSFER_FAILED) from exc
-        except aiohttp.ClientPayloadError as exc:
-            raise _cut_short(where, filled, expected) from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except ErrorAnswer as exc:
+            raise _refusal(exc, where) from exc
+        except CutShort as exc:
+            raise KVPullFailed(f"KV pull from {where} was cut short at {exc.received} of {expected} bytes "
+                               f"(the prefill replica died mid-transfer?).", code=TRANSFER_FAILED) from exc
+        except BadAnswer as exc:
+            raise KVPullFailed(f"KV pull from {where} got a malformed answer: {exc}.", code=TRANSFER_FAILED) from exc
+        except OSError as exc:
             raise KVPullFailed(f"KV pull from {where} failed: {type(exc).__name__}: {exc} (is the prefill "
                                f"replica down?).", code=TRANSFER_FAILED) from exc
-        if filled != expected:
-            raise _cut_short(where, filled, expected)
         return buffer
 
     # -- prefill side ----------------------------------------------------------------------------
@@ -216,29 +201,25 @@ class KVTransfer:
         return web.Response(body=data, content_type="application/octet-stream")
 
 
-async def _refusal(response: aiohttp.ClientResponse, where: str) -> KVPullFailed:
+def _refusal(answer: ErrorAnswer, where: str) -> KVPullFailed:
     """The remote's 4xx in our shape passes on (status and code); anything else is a 502 / 400."""
     try:
-        payload = await response.json(content_type=None)
+        payload = msgspec.json.decode(answer.body)
         error = payload.get("error") if isinstance(payload, dict) else None
-    except (ValueError, aiohttp.ClientError):
+    except msgspec.DecodeError:
         error = None
     message = error.get("message") if isinstance(error, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
-    if 400 <= response.status < 500 and code in _KNOWN_CODES:
-        return KVPullFailed(f"KV pull from {where} refused: {message}", status=response.status, code=code,
+    status = answer.status
+    if 400 <= status < 500 and code in _KNOWN_CODES:
+        return KVPullFailed(f"KV pull from {where} refused: {message}", status=status, code=code,
                             type="invalid_request_error", param="kv_transfer_params")
-    if 400 <= response.status < 500:
-        return KVPullFailed(f"KV pull from {where} answered HTTP {response.status} ({message or response.reason}): "
+    if 400 <= status < 500:
+        return KVPullFailed(f"KV pull from {where} answered HTTP {status} ({message or answer.reason}): "
                             f"remote_host/remote_port do not name a kvgate prefill replica.", status=400,
                             code=REJECTED, type="invalid_request_error", param="kv_transfer_params")
-    return KVPullFailed(f"KV pull from {where} failed with HTTP {response.status}: {message or response.reason}",
+    return KVPullFailed(f"KV pull from {where} failed with HTTP {status}: {message or answer.reason}",
                         code=TRANSFER_FAILED)
-
-
-def _cut_short(where: str, filled: int, expected: int) -> KVPullFailed:
-    return KVPullFailed(f"KV pull from {where} was cut short at {filled} of {expected} bytes (the prefill "
-                        f"replica died mid-transfer?).", code=TRANSFER_FAILED)
 
 
 def _role_mismatch(asked: str, role: str) -> BadRequest:
