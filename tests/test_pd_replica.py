@@ -223,11 +223,17 @@ def test_pinned_blocks_are_freed_after_the_pull(http, prefill, decode):
 
 
 def test_pinned_blocks_are_freed_when_the_lease_runs_out(http, decode, mixed):
-    with run_replica("tiny", extra_args=["--role", "prefill", "--kv-lease-duration-s", "0.5"]) as short_lease:
-        prompt = token_prompt(41, 40)
-        body = {"prompt": prompt, "max_tokens": 6, **GREEDY}
-        params = prefill_leg(http, short_lease.url, "/v1/completions", body)
-        wait_for_metric(http, short_lease.url, "kvgate:kv_pins_expired_total", 1.0)
+    # 8 blocks of 16 tokens (tiny: 8 KB a block): one pin can starve the pool until its lease ends
+    small = ["--kv-cache-gb", "0.00006104", "--kv-lease-duration-s", "1"]
+    with run_replica("tiny", extra_args=["--role", "prefill", *small]) as short_lease:
+        assert http.get(short_lease.url + "/server_info").json()["max_total_num_tokens"] == 8 * BLOCK
+        body = {"prompt": token_prompt(41, 90), "max_tokens": 6, **GREEDY}
+        params = prefill_leg(http, short_lease.url, "/v1/completions", body)  # pins 6 of the 8 blocks
+        # needs 4 blocks: waits (the worker sleeps until the lease ends, no spinning), then runs
+        waiting = {"prompt": token_prompt(42, 50), "max_tokens": 10, **GREEDY}
+        assert output_of(http, short_lease.url, "/v1/completions", waiting)[0] == \
+            output_of(http, mixed.url, "/v1/completions", waiting)[0]
+        assert metric(http, short_lease.url, "kvgate:kv_pins_expired_total") == 1
         assert metric(http, short_lease.url, "kvgate:kv_pinned_blocks") == 0
         wait_for_metric(http, short_lease.url, "vllm:kv_cache_usage_perc", 0.0)
         assert "kv_pin_expired" in short_lease.logs()
