@@ -33,7 +33,7 @@ class Phase:
     """One measured run: where to send, what to send, and how requests arrive."""
     name: str
     url: str                       # full URL, e.g. http://127.0.0.1:8000/v1/completions
-    body: dict                     # JSON body sent with every request
+    body: dict                     # JSON body sent with every request (or, with `bodies`, the first)
     mode: str = "open"             # "open" (scheduled arrivals) | "closed" (fixed concurrency)
     rate_rps: float = 100.0        # open loop: mean arrival rate
     duration_s: float = 5.0        # open loop: schedule length
@@ -43,6 +43,7 @@ class Phase:
     count: int = 1000              # closed loop: total requests
     timeout_s: float = 30.0        # per request
     cpu_pids: list[int] = field(default_factory=list)  # processes whose CPU time to sample around the phase
+    bodies: list[dict] = field(default_factory=list)   # if set: request i sends bodies[i % len(bodies)]
 
 
 @dataclass
@@ -116,9 +117,17 @@ async def _send(session: aiohttp.ClientSession, url: str, payload: bytes, stream
             status = resp.status
             if stream:
                 # First body byte, not headers: a gateway may send headers before it has any token.
-                async for _chunk in resp.content.iter_any():
+                done_seen, tail = False, b""
+                async for chunk in resp.content.iter_any():
                     if ttfb is None:
                         ttfb = time.perf_counter() - sent
+                    window = tail + chunk  # a marker split across two reads is still found
+                    if b'data: {"error"' in window:  # a 200 whose answer failed in-band
+                        error = "in-band error event"
+                    done_seen = done_seen or b"data: [DONE]" in window
+                    tail = window[-16:]
+                if status == 200 and not done_seen and error is None:
+                    error = "stream ended without [DONE]"
             else:
                 await resp.read()
             if status != 200:
@@ -137,8 +146,8 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def run_phase(phase: Phase) -> PhaseResult:
-    payload = json.dumps(phase.body).encode()
-    stream = bool(phase.body.get("stream"))
+    payload = [json.dumps(body).encode() for body in (phase.bodies or [phase.body])]
+    stream = bool((phase.bodies or [phase.body])[0].get("stream"))
     timeout = aiohttp.ClientTimeout(total=phase.timeout_s)
     phase_deadline_s = min(MAX_PHASE_S, phase.duration_s + phase.timeout_s + 5.0) if phase.mode == "open" \
         else MAX_PHASE_S
@@ -156,14 +165,15 @@ async def run_phase(phase: Phase) -> PhaseResult:
     return PhaseResult(name=phase.name, results=results, wall_s=wall, cpu_s=cpu)
 
 
-async def _open_loop(session, phase: Phase, payload: bytes, stream: bool, timeout, start: float,
+async def _open_loop(session, phase: Phase, payloads: list[bytes], stream: bool, timeout, start: float,
                      deadline_s: float) -> list[RequestResult]:
     tasks = []
-    for offset in arrival_offsets_s(phase.rate_rps, phase.duration_s, phase.arrivals, phase.seed):
+    for index, offset in enumerate(arrival_offsets_s(phase.rate_rps, phase.duration_s, phase.arrivals, phase.seed)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(_send(session, phase.url, payload, stream, timeout, offset, start)))
+        tasks.append(asyncio.ensure_future(_send(session, phase.url, payloads[index % len(payloads)], stream,
+                                                 timeout, offset, start)))
     remaining = max(0.1, start + deadline_s - time.perf_counter())
     done, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
     for task in pending:
@@ -171,7 +181,7 @@ async def _open_loop(session, phase: Phase, payload: bytes, stream: bool, timeou
     return [t.result() for t in tasks if t in done]
 
 
-async def _closed_loop(session, phase: Phase, payload: bytes, stream: bool, timeout, start: float,
+async def _closed_loop(session, phase: Phase, payloads: list[bytes], stream: bool, timeout, start: float,
                        deadline_s: float) -> list[RequestResult]:
     count = min(phase.count, MAX_REQUESTS_PER_PHASE)
     results: list[RequestResult] = []
@@ -180,6 +190,7 @@ async def _closed_loop(session, phase: Phase, payload: bytes, stream: bool, time
     async def worker():
         nonlocal next_index
         while next_index < count and time.perf_counter() - start < deadline_s:
+            payload = payloads[next_index % len(payloads)]
             next_index += 1
             results.append(await _send(session, phase.url, payload, stream, timeout,
                                        time.perf_counter() - start, start))

@@ -60,11 +60,13 @@ _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 class TryFailed(Exception):
     """One try ended without a complete answer, for a reason that is the replica's, not the client's."""
 
-    def __init__(self, reason: str, error: APIError, fatal: bool = False) -> None:
+    def __init__(self, reason: str, error: APIError, fatal: bool = False,
+                 counts_against_replica: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.error = error   # what the client gets if no other try succeeds
         self.fatal = fatal   # the replica is certainly gone (connection refused): eject it now
+        self.counts_against_replica = counts_against_replica  # False: it is busy, not broken
 
 
 @dataclass
@@ -233,7 +235,8 @@ class Proxy:
                     return await answer.finish()
                 except TryFailed as failure:
                     failed_at = time.perf_counter()
-                    self.pool.report(replica, ok=False, reason=failure.reason, fatal=failure.fatal)
+                    if failure.counts_against_replica:
+                        self.pool.report(replica, ok=False, reason=failure.reason, fatal=failure.fatal)
                     self.metrics.try_failures.labels(replica=replica.name).inc()
                     record.add_failover(replica.name, len(record.output_token_ids), failure.reason)
                     last = failure
@@ -315,14 +318,20 @@ class Proxy:
     async def _try_stream(self, request: web.Request, replica: ReplicaState, endpoint: str, payload: bytes,
                           plan: _Plan, answer: Answer, attempt: RoutedAttempt) -> None:
         """Relay one streamed try into the answer; returns once the answer is complete, raises
-        TryFailed when the replica cannot finish it."""
+        TryFailed when the replica cannot finish it.
+
+        A silent stream is judged with the replica's other streams: if any of them moved within
+        inter_token_timeout_s the replica is alive and busy (queued, preempted, a long prefill of
+        someone else's), and this stream waits on (past ttft_timeout_s it moves to another
+        replica, without counting against this one); if none did, the replica is stalled."""
         record = answer.record
         loop = asyncio.get_running_loop()
+        itl_s = plan.inter_token_timeout_s
         first_deadline = min(plan.deadline, loop.time() + plan.ttft_timeout_s)
         upstream = None
         finished = False
         try:
-            async with timeout_at(first_deadline) as timer:
+            async with timeout_at(first_deadline):
                 try:
                     upstream = await self.pool.session.post(replica.base_url + endpoint, data=payload,
                                                             headers=_headers(record.request_id))
@@ -332,27 +341,58 @@ class Proxy:
                                                   code="upstream_unreachable"), fatal=refused(exc)) from None
                 if upstream.status != 200:
                     raise await self._status_error(upstream, replica)
-                _no_delay(request)
-                await answer.open_stream(request)
-                splitter = EventSplitter()
-                async for chunk in upstream.content.iter_any():
-                    for raw_event in splitter.feed(chunk):
-                        await answer.on_event(raw_event)
-                    if not attempt.started_decoding and record.first_token_s is not None:
-                        attempt.first_token()  # prefilled: the load tracker now counts it decoding
-                    if attempt.started_decoding:
-                        timer.reschedule(min(plan.deadline, loop.time() + plan.inter_token_timeout_s))
-                for raw_event in splitter.flush():
-                    await answer.on_event(raw_event)
-                finished = True
-        except TimeoutError:
+            replica.last_progress_s = loop.time()
+            _no_delay(request)
+            await answer.open_stream(request)
+            splitter = EventSplitter()
+            chunks = upstream.content.iter_any()
+            # Before the first token, wake every itl_s too: a replica that health checks took out
+            # of rotation meanwhile (frozen, its engine dead) loses the request at once.
+            wait_until = loop.time() + itl_s
+            while not finished:
+                try:
+                    async with timeout_at(min(plan.deadline, wait_until)) as timer:
+                        async for chunk in chunks:
+                            now = replica.last_progress_s = loop.time()
+                            for raw_event in splitter.feed(chunk):
+                                await answer.on_event(raw_event)
+                            if not attempt.started_decoding and record.first_token_s is not None:
+                                attempt.first_token()  # prefilled: the load tracker now counts it decoding
+                            if attempt.started_decoding:
+                                timer.reschedule(min(plan.deadline, now + itl_s))
+                        for raw_event in splitter.flush():
+                            await answer.on_event(raw_event)
+                        finished = True
+                except TimeoutError:
+                    now = loop.time()
+                    if now >= plan.deadline:
+                        raise TryFailed("request_timeout", UpstreamError(
+                            "The request did not finish within request_timeout_s.", status=504,
+                            code="upstream_timeout")) from None
+                    alive = now - replica.last_progress_s < itl_s
+                    if not attempt.started_decoding and not alive and replica.health.state == "healthy" \
+                            and now < first_deadline:
+                        wait_until = min(now + itl_s, first_deadline)  # a long prefill, maybe: its probes say so
+                        chunks = upstream.content.iter_any()
+                        continue
+                    if not alive:
+                        what = ("stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
+                                if now >= first_deadline else f"no first token and {replica.health.state}")
+                        raise TryFailed(what, UpstreamError(f"Replica {replica.name} {what}.", status=504,
+                                                            code="upstream_timeout")) from None
+                    if not attempt.started_decoding and now >= first_deadline:
+                        raise TryFailed("slow: no first token within ttft_timeout_s", UpstreamError(
+                            f"Replica {replica.name} did not start the answer in time.", status=504,
+                            code="upstream_timeout"), counts_against_replica=False) from None
+                    wait_until = now + itl_s if attempt.started_decoding else min(now + itl_s, first_deadline)
+                    chunks = upstream.content.iter_any()  # nothing was lost: the read was only cancelled
+        except TimeoutError:  # the request itself (connect + headers) took past the first deadline
             if loop.time() >= plan.deadline:
                 raise TryFailed("request_timeout", UpstreamError(
                     "The request did not finish within request_timeout_s.", status=504,
                     code="upstream_timeout")) from None
-            what = "stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
-            raise TryFailed(what, UpstreamError(f"Replica {replica.name} {what}.", status=504,
-                                                code="upstream_timeout")) from None
+            raise TryFailed("no first token within ttft_timeout_s", UpstreamError(
+                f"Replica {replica.name} did not answer in time.", status=504, code="upstream_timeout")) from None
         except InBandError as exc:
             raise TryFailed(f"replica error: {exc}", UpstreamError(str(exc), code="upstream_error")) from None
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:

@@ -40,6 +40,7 @@ class ReplicaState:
         self.default_max_tokens: int | None = None  # the replica's own default (its generation config)
         self.tokenizer: TokenizerBundle | None = None
         self.last_error: str | None = None
+        self.last_progress_s = 0.0    # loop time of the last byte any stream got from it
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
 
     @property
