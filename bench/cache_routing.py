@@ -19,8 +19,8 @@ arrival order at block granularity. Targets, per workload and kvgate mode: hit r
 sglang-router's and at least 0.9 of the oracle, TTFT p50 and p99 at most sglang-router's,
 max/mean at most 1.3.
 
-    .venv/bin/python -m bench.cache_routing                  # every workload and router: ~15 min
-    .venv/bin/python -m bench.cache_routing --quick          # small workloads: ~4 min, machinery only
+    .venv/bin/python -m bench.cache_routing                  # every workload and router, 40 s each: ~15 min
+    .venv/bin/python -m bench.cache_routing --quick          # 5 s each: ~4 min, machinery only
     .venv/bin/python -m bench.cache_routing --workloads c --trace ../shared/traces/other.jsonl
     .venv/bin/python -m bench.cache_routing --routers precise,sglang --keep-logs /tmp/cr
 """
@@ -30,6 +30,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -38,11 +39,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.loadgen import RequestResult
+from bench.loadgen import RequestResult, process_cpu_s
 from bench.replay import replay
 from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
 from bench.workloads import WORKLOADS, Selection, Workload, prompt_token_ids, simulate_lru, tiny_bundle
-from tests.servers import free_port, run_gateway, run_replica
+from tests.servers import ServerStartError, free_port, run_gateway, run_replica
 
 BLOCK = 16
 TINY_KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x 2 layers x 16 tokens x 2 kv heads x dim 16 x fp32
@@ -55,14 +56,15 @@ ROUTERS = {
 }
 KVGATE_MODES = ("precise", "approximate")
 PRECISE_WAIT_S = 20.0
+PORT_ATTEMPTS = 3
 
 
 @dataclass
 class Settings:
     replicas: int = 4
-    # 1,024 blocks = 16k tokens = 8 full contexts of the tiny model: one replica holds about a
-    # third of a workload's working set, the four together all of it (bench.workloads --stats).
-    capacity_blocks: int = 1024
+    # 768 blocks = 12k tokens = 6 full contexts of the tiny model: one replica holds a fraction of
+    # a workload's working set, the four together all of it (bench.workloads --stats).
+    capacity_blocks: int = 768
     stream: bool = True
     keep_logs: str | None = None
 
@@ -75,6 +77,8 @@ class RunResult:
     ttfts_s: list[float]
     failures: int
     wall_s: float
+    machine_cores: float          # CPU busy on the whole machine during the traffic, in cores
+    server_cores: float           # of which the replicas and the router in front
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -110,25 +114,40 @@ def replica_counters(urls: list[str]) -> list[tuple[float, float, float]]:
              metric(u, "vllm:request_success_total")) for u in urls]
 
 
+def enter_server(stack: contextlib.ExitStack, start):
+    """stack.enter_context(start()), again with fresh ports when one was taken in between: free_port
+    only says a port was free a moment ago, and other processes on a shared machine bind ports too."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return stack.enter_context(start())
+        except ServerStartError as exc:
+            if attempt + 1 == PORT_ATTEMPTS or "in use" not in str(exc).lower():
+                raise
+
+
 def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list[tuple[str, str]]]:
     """s.replicas tiny replicas publishing KV events (for every router alike), started in parallel."""
     kv_gb = s.capacity_blocks * TINY_KV_BYTES_PER_BLOCK / (1 << 30)
-    endpoints = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(s.replicas)]
 
-    def start(pub_replay):
-        pub, replay_ep = pub_replay
-        return stack.enter_context(run_replica(MODEL, extra_args=[
-            "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay_ep,
-            "--log-level", "warning"]))
+    def start(_index):
+        endpoints: list[str] = []
+
+        def fresh():
+            endpoints[:] = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
+            return run_replica(MODEL, extra_args=[
+                "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-events-endpoint", endpoints[0],
+                "--kv-events-replay-endpoint", endpoints[1], "--log-level", "warning"])
+        return enter_server(stack, fresh), tuple(endpoints)
 
     # Each start waits for its replica's health; the waits overlap (ExitStack's append is atomic).
     with concurrent.futures.ThreadPoolExecutor(s.replicas) as pool:
-        replicas = list(pool.map(start, endpoints))
+        started = list(pool.map(start, range(s.replicas)))
+    replicas = [replica for replica, _ in started]
     # Unwinding stops them one by one; a SIGTERM to all first makes those waits overlap too.
     stack.callback(lambda: [r.proc.poll() is None and r.proc.send_signal(signal.SIGTERM) for r in replicas])
     for replica in replicas:
         warm_up(replica.url)
-    return replicas, endpoints
+    return replicas, [endpoints for _, endpoints in started]
 
 
 def warm_up(url: str) -> None:
@@ -170,16 +189,23 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
         replicas, endpoints = start_replicas(stack, s)
         urls = [r.url for r in replicas]
         if router == "sglang":
-            front = stack.enter_context(run_sglang_router(sglang_python, urls, log_level="info" if verbose else "warn"))
+            front = enter_server(stack, lambda: run_sglang_router(sglang_python, urls,
+                                                                   log_level="info" if verbose else "warn"))
         else:
-            port = free_port()
             config = workdir / f"{workload.name.replace(':', '_')}.{router}.yaml"
-            config.write_text(kvgate_config(router, replicas, endpoints, port, "info" if verbose else "warning"))
-            front = stack.enter_context(run_gateway(config, port))
+
+            def gateway():
+                port = free_port()
+                config.write_text(kvgate_config(router, replicas, endpoints, port, "info" if verbose else "warning"))
+                return run_gateway(config, port)
+            front = enter_server(stack, gateway)
             if router == "precise" and not wait_precise(front.url, len(replicas)):
                 notes.append("precise mode not confirmed before traffic (kvgate_routing_mode != 1)")
-        before = replica_counters(urls)
+        pids = [r.proc.pid for r in replicas] + [front.proc.pid]
+        before, machine_before, servers_before = replica_counters(urls), machine_busy_s(), sum(map(process_cpu_s, pids))
         results, wall_s = replay(front.url, workload.requests, model=MODEL, stream=s.stream)
+        machine_cores = (machine_busy_s() - machine_before) / wall_s
+        server_cores = (sum(map(process_cpu_s, pids)) - servers_before) / wall_s
         after = replica_counters(urls)
         if router == "precise" and (fallbacks := metric(front.url, "kvgate_kv_events_fallbacks_total")):
             notes.append(f"{fallbacks:.0f} KV event fallbacks to approximate")
@@ -193,7 +219,17 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
     failed = [r for r in results if r.status != 200 or r.error]
     if failed:
         notes.append(f"first failure: {failed[0].error or failed[0].status}")
-    return RunResult(router, hits / queries if queries else 0.0, served, ok_ttfts(results), len(failed), wall_s, notes)
+    return RunResult(router, hits / queries if queries else 0.0, served, ok_ttfts(results), len(failed), wall_s,
+                     machine_cores, server_cores, notes)
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, /proc/stat): on a shared machine,
+    busy minus the bench's own processes is what the neighbours took during a run."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def ok_ttfts(results: list[RequestResult]) -> list[float]:
@@ -228,12 +264,15 @@ def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: 
     rows = [f"{workload.name}: {workload.description}; {len(workload.requests)} requests over "
             f"{workload.duration_s:.0f} s; {s.replicas} tiny replicas x {s.capacity_blocks} KV blocks",
             f"  {'router':<32}{'hit rate':>9}{'/oracle':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'max/mean':>10}"
-            f"{'failed':>8}  served per replica"]
+            f"{'failed':>8}{'cores':>11}  served per replica"]
     for router, r in runs.items():
         rows.append(f"  {ROUTERS[router]:<32}{r.hit_rate:>9.1%}{r.hit_rate / oracle_hit if oracle_hit else float('nan'):>9.2f}"
-                    f"{r.ttft_ms(50):>8.1f}ms{r.ttft_ms(99):>8.1f}ms{r.max_over_mean:>10.2f}{r.failures:>8}  {r.served}"
+                    f"{r.ttft_ms(50):>8.1f}ms{r.ttft_ms(99):>8.1f}ms{r.max_over_mean:>10.2f}{r.failures:>8}"
+                    f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}  {r.served}"
                     + "".join(f"\n      note: {n}" for n in r.notes))
     rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
+    rows.append(f"  cores: CPU busy during the traffic, whole machine / replicas + router "
+                f"({os.cpu_count()} cores; the rest is the client and the neighbours)")
     return "\n".join(rows)
 
 
@@ -244,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None, help="Mooncake JSONL for workload c, or 'chat' for the chat "
                                                        "workload as a trace (default: ../shared/traces/mooncake_synthetic_trace.jsonl)")
     parser.add_argument("--trace-requests", type=int, default=None, help="first N records of the trace (default 600)")
+    parser.add_argument("--trace-duration-s", type=float, default=None,
+                        help="scale the trace's arrivals to span this many seconds (default 40; 0: as recorded)")
     parser.add_argument("--quick", action="store_true", help="small workloads (~4 min): the machinery, not figures")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default 1024)")
+    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default 768)")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
     parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
                                                           "(kvgate logs at info: one record per request with its routing)")
@@ -266,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         selection.trace.path = args.trace
     if args.trace_requests:
         selection.trace.requests = args.trace_requests
+    if args.trace_duration_s is not None:
+        selection.trace.duration_s = args.trace_duration_s or None
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -297,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = results[key][router] = run_router(router, workload, s, Path(tmp), sglang_python)
                 progress.advance(task)
                 progress.console.print(
-                    f"  {workload.name:<10} {ROUTERS[router]:<32} hit {r.hit_rate:6.1%}  "
+                    f"  {WORKLOADS[key]:<7} {ROUTERS[router]:<31} hit {r.hit_rate:6.1%}  "
                     f"TTFT p50 {r.ttft_ms(50):6.1f} p99 {r.ttft_ms(99):7.1f} ms  max/mean {r.max_over_mean:.2f}  "
-                    f"failed {r.failures}  ({time.monotonic() - started:.0f} s)", soft_wrap=True)
+                    f"failed {r.failures}  cores {r.machine_cores:.1f}/{r.server_cores:.1f}  "
+                    f"({r.wall_s:.0f} s of {time.monotonic() - started:.0f} s)", soft_wrap=True)
     print()
     for key, workload in workloads.items():
         print(table(workload, results[key], oracles[key], s))

@@ -120,15 +120,16 @@ def _message(role: str, units: tuple[int, ...], **extra) -> dict:
 
 @dataclass
 class ChatSettings:
-    conversations: int = 220
+    conversations: int = 170
     system_units: int = 6                 # shared system prompt: 96 tokens
     first_user_units: tuple[int, int] = (10, 18)   # -> the system prompt is ~30% of the first turn
     user_units: tuple[int, int] = (1, 10)          # later user messages
     reply_units: tuple[int, int] = (2, 6)          # the assistant replies the client resends
     turns_alpha: float = 1.0              # turns ~ Pareto(alpha): a long tail, capped by the context
     max_turns: int = 12
-    start_window_s: float = 20.0          # conversations start Poisson over this window
-    think_mean_s: float = 2.5             # between a turn and the next (exponential, + think_min_s)
+    start_window_s: float = 34.0          # conversations start Poisson over this window
+    duration_s: float = 40.0              # turns later than this are not sent (the conversation ends)
+    think_mean_s: float = 4.0             # between a turn and the next (exponential, + think_min_s)
     think_min_s: float = 0.5
     max_tokens: int = 16
     max_prompt_tokens: int = 1900         # stop a conversation before its prompt outgrows the context
@@ -153,9 +154,11 @@ def chat(s: ChatSettings = ChatSettings()) -> Workload:
                 reply, user = ids.take(rng.randint(*s.reply_units)), ids.take(rng.randint(*s.user_units))
                 if _prompt_tokens(len(units) + len(reply) + len(user), len(messages) + 2) > s.max_prompt_tokens:
                     break
+                t += s.think_min_s + rng.expovariate(1 / s.think_mean_s)
+                if t > s.duration_s:
+                    break
                 messages += [_message("assistant", reply), _message("user", user)]
                 units += reply + user
-                t += s.think_min_s + rng.expovariate(1 / s.think_mean_s)
             requests.append(Request(t, conversation, units, s.max_tokens, messages=tuple(messages)))
     requests.sort(key=lambda r: r.arrival_s)
     return Workload("chat", f"{s.conversations} conversations, shared {s.system_units * UNIT_TOKENS}-token system "
@@ -166,14 +169,15 @@ def chat(s: ChatSettings = ChatSettings()) -> Workload:
 
 @dataclass
 class AgentSettings:
-    agents: int = 110
+    agents: int = 75
     system_units: int = 16                # shared tool-use system prompt: 256 tokens
     task_units: tuple[int, int] = (2, 8)
     call_units: tuple[int, int] = (1, 2)  # the assistant's tool call the client resends
     tool_units: tuple[int, int] = (8, 24)  # tool output: 128-384 tokens
     max_steps: int = 8
-    start_window_s: float = 28.0
-    tool_mean_s: float = 2.0              # tool run time between steps (exponential, + tool_min_s)
+    start_window_s: float = 34.0
+    duration_s: float = 40.0              # steps later than this are not sent (the loop ends)
+    tool_mean_s: float = 3.0              # tool run time between steps (exponential, + tool_min_s)
     tool_min_s: float = 0.2
     max_tokens: int = 16
     max_prompt_tokens: int = 1900
@@ -197,10 +201,12 @@ def agent(s: AgentSettings = AgentSettings()) -> Workload:
                 call, output = ids.take(rng.randint(*s.call_units)), ids.take(rng.randint(*s.tool_units))
                 if _prompt_tokens(len(units) + len(call) + len(output), len(messages) + 2) > s.max_prompt_tokens:
                     break
+                t += s.tool_min_s + rng.expovariate(1 / s.tool_mean_s)
+                if t > s.duration_s:
+                    break
                 messages += [_message("assistant", call),
                              _message("tool", output, tool_call_id=f"call_{loop}_{step}")]
                 units += call + output
-                t += s.tool_min_s + rng.expovariate(1 / s.tool_mean_s)
             requests.append(Request(t, loop, units, s.max_tokens, messages=tuple(messages)))
     requests.sort(key=lambda r: r.arrival_s)
     return Workload("agent", f"{s.agents} agent loops, shared {s.system_units * UNIT_TOKENS}-token system prompt, "
@@ -248,7 +254,7 @@ def write_mooncake(workload: Workload, path) -> None:
 class TraceSettings:
     path: str = str(SHIPPED_TRACE)
     requests: int = 600                   # the first N records
-    duration_s: float | None = 45.0       # time-scale the arrivals to span this; None: as recorded
+    duration_s: float | None = 40.0       # time-scale the arrivals to span this; None: as recorded
     max_tokens_cap: int = 32
     max_prompt_tokens: int = 1900         # longer prompts keep their first units (prefixes stay equal)
 
@@ -284,7 +290,7 @@ def trace(s: TraceSettings = TraceSettings()) -> Workload:
 @dataclass
 class GroupsSettings:
     groups: int = 32
-    per_group: int = 16
+    per_group: int = 12
     prefix_units: int = 64                # 1,024-token shared prefix
     suffix_units: int = 4                 # 64-token unique suffix
     max_tokens: int = 8
@@ -373,10 +379,10 @@ class Selection:
 
     def quick(self) -> None:
         """About a quarter of the traffic: for trying the machinery, not for figures."""
-        self.chat.conversations, self.chat.start_window_s, self.chat.max_turns, self.chat.think_mean_s = 40, 4.0, 4, 1.0
-        self.agent.agents, self.agent.start_window_s, self.agent.max_steps, self.agent.tool_mean_s = 24, 4.0, 4, 0.5
-        self.trace.requests, self.trace.duration_s = 100, 8.0
-        self.groups.groups, self.groups.per_group = 8, 8
+        self.chat.conversations, self.chat.start_window_s, self.chat.duration_s, self.chat.think_mean_s = 24, 3.0, 5.0, 1.0
+        self.agent.agents, self.agent.start_window_s, self.agent.duration_s, self.agent.tool_mean_s = 12, 3.0, 5.0, 0.5
+        self.trace.requests, self.trace.duration_s = 60, 5.0
+        self.groups.groups, self.groups.per_group = 8, 6
 
     def seed(self, seed: int) -> None:
         self.chat.seed = self.agent.seed = self.groups.seed = seed
@@ -414,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--capacity-blocks", type=int, default=3072, help="KV blocks per replica")
+    parser.add_argument("--capacity-blocks", type=int, default=768, help="KV blocks per replica")
     parser.add_argument("--stats", action="store_true", help="size and oracle hit rates of each workload")
     parser.add_argument("--write-trace", nargs=2, metavar=("WORKLOAD", "FILE"),
                         help="write a workload as a Mooncake JSONL trace")

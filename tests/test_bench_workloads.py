@@ -79,8 +79,8 @@ def test_chat_turns_extend_their_conversation_after_a_think_time(chat, bundle):
     for r in chat.requests:
         by_session.setdefault(r.session, []).append(r)
     turns = sorted(len(v) for v in by_session.values())
-    assert turns[0] == 1 and turns[-1] >= 10  # a long tail of long conversations
-    assert statistics.mean(turns) >= 2.5
+    # most conversations are short, and a long tail is long (Pareto, cut by the context and the run)
+    assert statistics.median(turns) <= 2 and turns[-1] >= 8 and sum(t >= 5 for t in turns) >= 0.1 * len(turns)
     for session in list(by_session.values())[:40]:
         for previous, current in zip(session, session[1:]):
             assert current.arrival_s > previous.arrival_s
