@@ -27,6 +27,8 @@ def layout_of(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
 
 def pack_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> memoryview:
     """The blocks' bytes. Safe from any thread for pinned blocks (nobody writes them)."""
+    if not block_ids:  # a release-only pull
+        return memoryview(b"")
     k_cache = kv_caches[0][0]
     shape = (len(kv_caches), 2, len(block_ids)) + tuple(k_cache.shape[1:])
     raw = new_buffer(len(kv_caches) * 2 * len(block_ids) * k_cache[0].numel() * k_cache.element_size())
@@ -61,7 +63,8 @@ def unpack_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], staged: St
     if not block_ids:
         return
     k_cache = kv_caches[0][0]
-    blocks = torch.from_numpy(staged.data).view(k_cache.dtype).view((len(kv_caches), 2, staged.num_blocks) + tuple(k_cache.shape[1:]))
+    shape = (len(kv_caches), 2, staged.num_blocks) + tuple(k_cache.shape[1:])
+    blocks = torch.from_numpy(staged.data).view(k_cache.dtype).view(shape)
     index = torch.tensor(block_ids, dtype=torch.long)
     source = blocks[:, :, skip_blocks:skip_blocks + len(block_ids)]
     with torch.inference_mode():

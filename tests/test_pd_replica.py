@@ -14,6 +14,7 @@ import pytest
 
 from protocol.kv_transfer import (INVALID_BLOCKS, INVALID_PARAMS, PROMPT_MISMATCH, REJECTED, ROLE_MISMATCH,
                                   TRANSFER_FAILED, UNKNOWN_ENGINE, UNKNOWN_REQUEST)
+from replica.kv_pins import prompt_digest
 from routing.hashing import block_hashes
 from tests.servers import run_replica
 
@@ -220,6 +221,23 @@ def test_pinned_blocks_are_freed_after_the_pull(http, prefill, decode):
     assert metric(http, prefill.url, "kvgate:kv_pinned_blocks") == pinned_before
     assert metric(http, prefill.url, "kvgate:kv_pins_pulled_total") == pulled_before + 1
     wait_for_metric(http, prefill.url, "vllm:kv_cache_usage_perc", in_use_before)  # back in the pool, not just unlisted
+
+
+def test_a_pull_of_no_blocks_only_releases_the_pin(http, prefill):
+    """What a decode replica holding every block would send (vLLM's notify-only read)."""
+    prompt = token_prompt(35, 20)
+    params = prefill_leg(http, prefill.url, "/v1/completions", {"prompt": prompt, **GREEDY})
+    info = http.get(prefill.url + "/server_info").json()
+    layout = {"num_layers": 2, "block_size": BLOCK, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}  # tiny
+    assert info["kv_cache_bytes"] // (info["max_total_num_tokens"] // BLOCK) == 2 * 2 * BLOCK * 2 * 16 * 4
+    pull = {"engine_id": params["remote_engine_id"], "request_id": params["remote_request_id"], "block_ids": [],
+            "layout": layout, "prompt_digest": prompt_digest(prompt, None), "num_prompt_tokens": len(prompt)}
+    pinned = metric(http, prefill.url, "kvgate:kv_pinned_blocks")
+    response = http.post(prefill.url + "/kvgate/kv/pull", json=pull)
+    assert response.status_code == 200 and response.content == b""
+    assert metric(http, prefill.url, "kvgate:kv_pinned_blocks") == pinned - 2
+    again = http.post(prefill.url + "/kvgate/kv/pull", json=pull)
+    assert again.status_code == 404 and again.json()["error"]["code"] == UNKNOWN_REQUEST
 
 
 def test_pinned_blocks_are_freed_when_the_lease_runs_out(http, decode, mixed):
@@ -471,3 +489,4 @@ def test_packed_blocks_unpack_to_the_same_tensors():
     for (k, v), (k2, v2) in zip(source, target):
         assert torch.equal(k2[2], k[1]) and torch.equal(k2[7], k[6]) and torch.equal(v2[7], v[6])
         assert not k2[5].any()  # the skipped block was not written
+    assert len(pack_blocks(source, [])) == 0  # a release-only pull
