@@ -13,6 +13,7 @@ from replica.memory import bound_heap_retention, page_out_file_mappings, return_
 
 ROLES = ("mixed", "prefill", "decode")
 SHUTDOWN_GRACE_S = 5.0
+EXIT_ENGINE_DIED = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer-host", default=None,
                         help="prefill side: the remote_host decode replicas pull from (default: --host, or "
                              "127.0.0.1 when --host is a wildcard address)")
+    parser.add_argument("--health-stall-s", type=float, default=30.0,
+                        help="/health answers 503 when the engine has work but no step finished this long")
+    parser.add_argument("--debug-fault", default=None, help=argparse.SUPPRESS)  # tests: crash/stall-after-steps=N
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return parser
@@ -150,6 +154,19 @@ async def _serve(args, loaded, defaults, log) -> int:
     from replica.engine import Engine
     from replica.server import ReplicaServer
 
+    from replica.liveness import EngineLiveness
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    engine_died: list[BaseException] = []
+
+    def on_fatal(error: BaseException) -> None:  # on the worker thread: the loop ends the process
+        engine_died.append(error)
+        loop.call_soon_threadsafe(stop.set)
+
+    try:
+        liveness = EngineLiveness(args.health_stall_s, args.debug_fault)
+    except ValueError as exc:
+        return _refuse(log, str(exc))
     kv_events = None
     if args.kv_events_endpoint:
         from replica.kv_events import KVEventPublisher
@@ -161,7 +178,7 @@ async def _serve(args, loaded, defaults, log) -> int:
                         max_waiting=args.max_waiting, max_running=args.max_running,
                         kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-                        kv_lease_s=args.kv_lease_duration_s)
+                        kv_lease_s=args.kv_lease_duration_s, liveness=liveness, on_fatal=on_fatal)
     except ValueError as exc:
         if kv_events is not None:
             kv_events.close()
@@ -183,8 +200,6 @@ async def _serve(args, loaded, defaults, log) -> int:
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -200,7 +215,12 @@ async def _serve(args, loaded, defaults, log) -> int:
         # page cache (serving faults back the few it uses).
         log.info("startup_pages_released", mapped_bytes_advised=page_out_file_mappings())
         await stop.wait()
-        log.info("replica_stopping")
+        if engine_died:
+            # Its requests have their error; /health says why meanwhile. Exit so a supervisor
+            # (kvgate up, systemd, k8s) restarts a process whose engine is gone.
+            log.error("replica_exiting", reason="engine thread died", error=str(engine_died[0]))
+        else:
+            log.info("replica_stopping")
     finally:
         await runner.cleanup()
         engine.shutdown()
@@ -208,7 +228,7 @@ async def _serve(args, loaded, defaults, log) -> int:
             kv_events.close()
         # See gateway/server.py: join executor threads before uvloop closes the loop.
         await asyncio.get_running_loop().shutdown_default_executor()
-    return 0
+    return EXIT_ENGINE_DIED if engine_died else 0
 
 
 def _reachable(host: str) -> str:

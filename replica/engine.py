@@ -39,10 +39,11 @@ from protocol.errors import BadRequest, Overloaded, Unavailable
 from replica.block_pool import BlockPool
 from replica.kv_codec import StagedKV, unpack_blocks
 from replica.kv_pins import DEFAULT_LEASE_S, KVPin, PinTable, prompt_digest
+from replica.liveness import EngineLiveness
 from replica.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner, StepItem, fit_context, num_blocks_for_budget
 from replica.sampler import SamplingParams, sample
 from replica.scheduler import RemoteKV, Scheduler, Sequence
-from replica.stop_strings import find_stop_string, held_back_chars
+from tokenization.stop_strings import find_stop_string, held_back_chars
 from tokenization.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("kvgate.replica.engine")
@@ -119,7 +120,8 @@ class Engine:
                  max_waiting: int = 256, max_running: int = 64, dtype: torch.dtype | None = None,
                  kv_cache_gb: float = DEFAULT_KV_CACHE_GB, num_blocks: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = 512,
-                 kv_events=None, max_model_len_requested: bool = False, kv_lease_s: float = DEFAULT_LEASE_S):
+                 kv_events=None, max_model_len_requested: bool = False, kv_lease_s: float = DEFAULT_LEASE_S,
+                 liveness: EngineLiveness | None = None, on_fatal=None):
         """`max_model_len`: the model's context, or the user's `--max-model-len` when
         `max_model_len_requested`; see `fit_context` for how it meets the KV cache's size."""
         self.model = model
@@ -154,6 +156,8 @@ class Engine:
         self.generation_tokens_total = 0
         self._ids = itertools.count()
         self._shared_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.liveness = liveness or EngineLiveness()
+        self._on_fatal = on_fatal  # called (from the worker) if it dies: the process should end
         self._thread = threading.Thread(target=self._run, name="replica-engine", daemon=True)
 
     # -- asyncio side ---------------------------------------------------------------------------
@@ -261,7 +265,21 @@ class Engine:
             self._thread.join(timeout_s)
 
     # -- worker thread --------------------------------------------------------------------------
+    def health_problem(self) -> str | None:
+        """None while the engine can make progress (see replica/liveness.py)."""
+        return self.liveness.problem(self._thread.is_alive(), bool(self.num_running or self.num_waiting))
+
     def _run(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # the worker is gone: nothing it held can finish here
+            log.critical("engine_died", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+            self.liveness.died(exc)
+            self._fail_all(Unavailable(f"The replica's engine failed ({type(exc).__name__}); retry elsewhere."))
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _work(self) -> None:
         idle = False  # the last schedule ran nothing (waiting requests wait for blocks): no spinning
         with torch.inference_mode():
             while True:
@@ -295,6 +313,7 @@ class Engine:
                 if chunks:
                     self._step(chunks)
                 self._publish_events()
+                self.liveness.stepped(bool(chunks))
         self._fail_all(Unavailable("The replica shut down before the request finished."))
 
     def _admit(self, request: _Request) -> None:

@@ -16,7 +16,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from protocol.errors import BadRequest, InternalError, ModelNotFound
+from protocol.errors import BadRequest, InternalError, ModelNotFound, error_body
 from protocol.http import openai_errors
 from protocol.kv_transfer import PULL_PATH, FailurePolicy, KVTransferParams, decode_kv_transfer_params
 from protocol.requests import (AnyRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -95,6 +95,10 @@ class ReplicaServer:
 
     # -- small endpoints ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        problem = self.engine.health_problem()
+        if problem is not None:  # the process answers, but its engine cannot make progress
+            return web.json_response(error_body(problem, "service_unavailable", None, "engine_unhealthy"),
+                                     status=503)
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:

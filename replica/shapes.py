@@ -10,12 +10,8 @@ from aiohttp import web
 
 from protocol.kv_transfer import KVTransferStats
 from protocol.requests import AnyRequest
+from protocol.responses import full_response, text_chunk, usage_chunk, usage_of
 from replica.engine import TokenEvent
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ResponseShaper:
@@ -48,17 +44,10 @@ class ResponseShaper:
 
     def token_chunk(self, ev: TokenEvent, text: str, completion_tokens: int) -> dict:
         self.cached_tokens = ev.num_cached_tokens
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason,
-                      "stop_reason": ev.stop_reason}
-            if self.return_token_ids and completion_tokens == 1:
-                choice["prompt_token_ids"] = self.prompt_ids
-        if self.return_token_ids:
-            choice["token_ids"] = [ev.token_id]
-        chunk = {**self.base, "choices": [choice]}
+        chunk = text_chunk(self.base, self.chat, text, ev.finish_reason, ev.stop_reason,
+                           [ev.token_id] if self.return_token_ids else None)
+        if not self.chat and self.return_token_ids and completion_tokens == 1:
+            chunk["choices"][0]["prompt_token_ids"] = self.prompt_ids  # vLLM: on a completion's first chunk
         if ev.finish_reason is not None:  # vLLM 0.33: the final chunk carries kv_transfer_params
             self._add_kv_fields(chunk, ev)
         if self.continuous_usage:
@@ -66,8 +55,7 @@ class ResponseShaper:
         return chunk
 
     def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self.base, "choices": [], "usage": usage_of(len(self.prompt_ids), completion_tokens,
-                                                              self.cached_tokens)}
+        return usage_chunk(self.base, usage_of(len(self.prompt_ids), completion_tokens, self.cached_tokens))
 
     def full_response(self, text: str, output_ids: list[int], last: TokenEvent | None) -> dict:
         finish_reason = last.finish_reason if last else None
@@ -75,20 +63,8 @@ class ResponseShaper:
         token_ids = output_ids if self.return_token_ids else None
         prompt_ids = self.prompt_ids if self.return_token_ids else None
         usage = usage_of(len(self.prompt_ids), len(output_ids), last.num_cached_tokens if last else 0)
-        if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                       "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason, "token_ids": token_ids}
-            return self._add_kv_fields(
-                {**self.base, "object": "chat.completion", "choices": [choice], "service_tier": None,
-                 "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                 "prompt_token_ids": prompt_ids, "kv_transfer_params": None}, last)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
-                  "token_ids": token_ids}
-        return self._add_kv_fields({**self.base, "choices": [choice], "usage": usage, "system_fingerprint": None,
-                                    "kv_transfer_params": None}, last)
+        return self._add_kv_fields(full_response(self.base, self.chat, text, finish_reason, stop_reason, usage,
+                                                 token_ids, prompt_ids), last)
 
     def _add_kv_fields(self, response: dict, last: TokenEvent | None) -> dict:
         """A prefill leg's answer gets the decode leg's kv_transfer_params; a decode leg's answer

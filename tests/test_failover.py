@@ -499,3 +499,36 @@ def test_a_connect_timeout_is_tried_on_another_replica(tmp_path):
         assert all(r["replica"] == "open" and r["status"] == 200 for r in records)
         reasons = [f["reason"] for r in records for f in r.get("failover") or []]
         assert any(reason.startswith("connect:") and "imeout" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("fault", ["crash", "stall"])
+def test_an_engine_that_dies_or_stalls_is_ejected_and_its_stream_resumes(tmp_path, fault):
+    """The replica process stays up (or exits only after answering) while its engine thread is
+    gone or hung: /health says so (503, the reason), the gateway ejects it, and the stream it was
+    serving continues on the other replica, token for token."""
+    with contextlib.ExitStack() as stack:
+        faulty = stack.enter_context(run_replica("tiny", extra_args=[
+            "--debug-fault", f"{fault}-after-steps=40", "--health-stall-s", "1"]))
+        good = stack.enter_context(run_replica("tiny"))
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, inter_token_timeout_s: 1.5}}\n" + FAST_HEALTH
+                          + "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
+                          f"  - {{name: faulty, url: '{faulty.url}', model: tiny}}\n"
+                          f"  - {{name: good, url: '{good.url}', model: tiny}}\n")
+        server = stack.enter_context(run_gateway(config, port))
+        gateway = Gateway(server, [])
+        body = body_for("/v1/completions", 5, 200)
+        reference = answer(good.url, "/v1/completions", {**body, "stream": False}, "engine-ref")
+        got = stream(server.url, "/v1/completions", body, f"engine-{fault}")
+        assert got["error"] is None and got["ids"] == reference["ids"]
+        record = gateway.record(f"engine-{fault}")
+        assert record["failover"][0]["replica"] == "faulty" and record["failover"][0]["resumed_on"] == "good"
+        if fault == "stall":
+            status, _, health = http("GET", faulty.url + "/health")
+            assert status == 503 and health["error"]["message"].startswith("engine stalled")
+        else:
+            assert faulty.proc.wait(timeout=20) == 3  # the process ends so a supervisor restarts it
+            assert "engine_died" in faulty.logs()
+        poll(lambda: http("GET", server.url + "/admin/replicas")[2]["replicas"][0]["state"] == "ejected",
+             "the faulty replica ejected", server)
