@@ -1,4 +1,4 @@
-"""`kvgate` command line: up | serve | replica | check-config | tail.
+"""`kvgate` command line: up | serve | replica | check-config | tail | keys.
 
 Each subcommand imports what it needs when it runs: `kvgate replica` is the only one that loads
 torch (through `replica.cli`), so the gateway process stays torch-free, and `kvgate tail` loads
@@ -6,6 +6,7 @@ neither aiohttp nor the gateway."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,25 @@ def _parser() -> argparse.ArgumentParser:
                                 "(see `kvgate tail --help`)", add_help=False)
     check = sub.add_parser("check-config", help="validate a routing YAML file")
     check.add_argument("file")
+    keys = sub.add_parser("keys", help="API keys and the admin token in a routing YAML (see `kvgate keys -h`)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="make a new API key: prints it once, writes only its SHA-256")
+    add.add_argument("name", help="the key's name (in logs and records; letters, digits, _ . @ -)")
+    add.add_argument("--tenant", help="tenant whose prefix cache it shares (default: the key's own name)")
+    add.add_argument("--models", nargs="+", metavar="MODEL", help="models it may use (default: every model)")
+    add.add_argument("--rpm", type=int, help="requests per minute")
+    add.add_argument("--tpm", type=int, help="tokens per minute (prompt + output)")
+    add.add_argument("--max-prompt-tokens", type=int, help="longest prompt it may send")
+    add.add_argument("--max-tokens", type=int, help="cap on the output it may ask for")
+    add.add_argument("--allow-cache-salt", action="store_true", help="keep the cache_salt it sends (trusted)")
+    add.add_argument("--allow-kv-transfer-params", action="store_true",
+                     help="forward the kv_transfer_params it sends (trusted)")
+    revoke = keys_sub.add_parser("revoke", help="remove a key (a running gateway drops it within a second)")
+    revoke.add_argument("name")
+    keys_sub.add_parser("list", help="the keys' names, tenants and limits (never the keys)")
+    keys_sub.add_parser("admin-token", help="make a new admin token: prints it once, writes its SHA-256")
+    for command in keys_sub.choices.values():
+        command.add_argument("--config", default=str(DEFAULT_CONFIG), help="routing YAML (default: %(default)s)")
     return parser
 
 
@@ -93,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok: {args.file} ({len(config.replicas)} replica{'s' if len(config.replicas) != 1 else ''}, "
               f"policy {config.routing.policy})")
         return 0
+    if args.command == "keys":
+        from gateway.keys_cli import main as keys_main
+        return keys_main(args)
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "up":
@@ -107,7 +130,12 @@ def _serve(path: str) -> int:
     from gateway.server import print_ready, run
     if not _start_logging(config):
         return EXIT_BAD_CONFIG
-    return run(config, on_ready=print_ready(config), config_path=path)
+    return run(config, on_ready=print_ready(config), config_path=path, admin_token=_admin_token())
+
+
+def _admin_token() -> str | None:
+    """The admin token from the environment, read here at the edge and passed down."""
+    return os.environ.get("KVGATE_ADMIN_TOKEN") or None
 
 
 def _up(path: str | Path, startup_timeout_s: float) -> int:
@@ -128,7 +156,8 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
         launcher.start()
         if launcher.replicas:
             _wait_with_progress(launcher, startup_timeout_s)
-        return run(config, on_ready=print_ready(config), config_path=str(path), launcher=launcher)
+        return run(config, on_ready=print_ready(config), config_path=str(path), launcher=launcher,
+                   admin_token=_admin_token())
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ msgspec checks keys and types and reports a path (`$.replicas[0].prot`); PyYAML'
 that path back to a line, so a user reads `configs/x.yaml:7: replicas[0].prot: unknown key`."""
 from __future__ import annotations
 
+import ipaddress
 import re
 import typing
 from pathlib import Path
@@ -87,6 +88,50 @@ class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 
+Sha256Hex = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+Bytes = Annotated[int, Meta(ge=1024)]
+
+
+class ApiKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One client's key (`kvgate keys add NAME` writes these): what it may ask for, and how much.
+    The key itself is never stored, only its SHA-256 (gateway/auth.py says why that is enough)."""
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
+    sha256: Sha256Hex
+    tenant: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # default: the key's name
+    models: list[str] | None = None                # None: every model
+    rpm: PositiveInt | None = None                 # requests per minute
+    tpm: PositiveInt | None = None                 # tokens per minute (prompt + output)
+    max_prompt_tokens: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None          # output cap: asked for more (or nothing) -> this
+    allow_cache_salt: bool = False                 # its own `cache_salt` is kept (else the tenant's)
+    allow_kv_transfer_params: bool = False         # its `kv_transfer_params` are forwarded (else dropped)
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.name
+
+
+class AuthSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """API keys and the admin token. No keys: every client is served (allowed on a loopback host
+    only, unless `auth: none` says so explicitly)."""
+    keys: list[ApiKey] = []
+    admin_token_sha256: Sha256Hex | None = None   # /admin/*, /admin/health (and /metrics if `metrics: admin`)
+    metrics: Literal["public", "admin"] = "public"
+
+
+class LimitsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one request or one client may cost the gateway before any replica is involved."""
+    max_headers: Annotated[int, Meta(ge=8, le=1024)] = 100        # header lines in a request
+    max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 8190  # request line / one header line
+    max_json_depth: Annotated[int, Meta(ge=4, le=512)] = 64       # nesting of the JSON body
+    max_json_containers: Annotated[int, Meta(ge=16)] = 100_000    # objects + arrays in one body
+    max_prompt_tokens: PositiveInt | None = None                  # every request (a key may set fewer)
+    header_timeout_s: PositiveSeconds = 10.0     # a request head's first byte -> its last
+    body_timeout_s: PositiveSeconds = 60.0       # reading the whole body
+    keepalive_timeout_s: PositiveSeconds = 75.0  # an idle keep-alive connection is closed after this
+    max_connections_per_client: PositiveInt = 1024  # open connections from one IP address
+
+
 class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the load tracker turns tokens into seconds (routing.load.LoadModel)."""
     prefill_tokens_per_s: PositiveSeconds = 8000.0
@@ -147,10 +192,31 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     health: HealthSection = msgspec.field(default_factory=HealthSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
+    # `auth: none` (written out) serves without keys on any host; a section lists keys.
+    auth: Union[Literal["none"], AuthSection] = msgspec.field(default_factory=AuthSection)
+    limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     replicas: list[ReplicaSpec]
 
     def models(self) -> list[str]:
         return list(dict.fromkeys(replica.model for replica in self.replicas))
+
+    @property
+    def auth_section(self) -> AuthSection:
+        return AuthSection() if self.auth == "none" else self.auth
+
+    @property
+    def keys_required(self) -> bool:
+        """Whether /v1/* needs an API key: whenever keys are listed (and `auth: none` is not written)."""
+        return self.auth != "none" and bool(self.auth.keys)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConfigError(Exception):
@@ -203,6 +269,7 @@ def _value_problems(config: Config):
         yield ["routing", "session_header"], "must not be empty"
     if not config.replicas:
         yield ["replicas"], "must list at least one replica"
+    yield from _auth_problems(config)
     seen_names: dict[str, int] = {}
     seen_urls: dict[str, int] = {}
     for index, replica in enumerate(config.replicas):
@@ -230,6 +297,28 @@ def _value_problems(config: Config):
                 value = getattr(replica.kv_events, key)
                 if value is not None and (bad := _zmq_endpoint_problem(value)):
                     yield ["replicas", index, "kv_events", key], bad
+
+
+def _auth_problems(config: Config):
+    if config.auth != "none" and not config.auth.keys and not is_loopback(config.gateway.host):
+        yield (["gateway", "host"],
+               f"{config.gateway.host!r} is not a loopback address and no API keys are configured: add one "
+               "(kvgate keys add NAME) or write `auth: none` to serve every client without a key")
+    if config.auth == "none":
+        return
+    names: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for index, key in enumerate(config.auth.keys):
+        if key.name in names:
+            yield ["auth", "keys", index, "name"], f"duplicate key name {key.name!r} (also keys[{names[key.name]}])"
+        if key.sha256 in hashes:
+            yield ["auth", "keys", index, "sha256"], f"the same key as keys[{hashes[key.sha256]}]"
+        names.setdefault(key.name, index)
+        hashes.setdefault(key.sha256, index)
+        for model in key.models or ():
+            if model not in config.models():
+                yield (["auth", "keys", index, "models"],
+                       f"no replica serves model {model!r} (models: {', '.join(config.models())})")
 
 
 def _zmq_endpoint_problem(endpoint: str) -> str | None:
@@ -284,10 +373,25 @@ def _validation_error(exc: msgspec.ValidationError, root: yaml.Node, source: str
                            "missing required key")
     else:
         why = (message[0].lower() + message[1:] if message else "invalid value").replace("`", "")
-        choices = typing.get_args(_unwrap(_type_at(path)))
+        choices = _choices(_type_at(path))
         if why.startswith("invalid enum value") and choices:
             why += f" (expected one of: {', '.join(map(str, choices))})"
     return ConfigError(f"{source}:{_line_of(root, path)}: {_dotted(path)}: {why}")
+
+
+def _choices(tp) -> list[str]:
+    """The values a Literal (or a union of a Literal and a section) accepts, for an error message."""
+    if typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is Literal:
+        return [str(value) for value in typing.get_args(tp)]
+    out = []
+    for member in typing.get_args(tp):
+        if typing.get_origin(member) is Literal:
+            out += [str(value) for value in typing.get_args(member)]
+        elif isinstance(member, type) and issubclass(member, msgspec.Struct):
+            out.append("a mapping")
+    return out
 
 
 def _parse_path(text: str) -> list:
@@ -323,12 +427,14 @@ def _type_at(path: list):
 
 
 def _unwrap(tp):
-    """Optional[X] -> X (the non-None member), Annotated[X, ...] -> X."""
+    """Optional[X] -> X (the non-None member), Annotated[X, ...] -> X, and a union of a Literal
+    and a section (`auth: none | {...}`) -> the section, whose keys an error path steps into."""
     if typing.get_origin(tp) is Annotated:
         tp = typing.get_args(tp)[0]
     if typing.get_origin(tp) in (Union, getattr(__import__("types"), "UnionType", Union)):
         members = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = members[0] if len(members) == 1 else tp
+        structs = [a for a in members if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+        tp = members[0] if len(members) == 1 else structs[0] if len(structs) == 1 else tp
     return tp
 
 

@@ -30,6 +30,7 @@ import structlog
 from aiohttp import web
 
 from gateway.answer import Answer, AnswerSpec, ClientGone, InBandError
+from gateway.auth import grant_of
 from gateway.prompts import prompt_token_ids
 from gateway.resume import continuation_body, effective_max_tokens
 from gateway.retry_budget import RetryBudget
@@ -161,6 +162,9 @@ class Proxy:
         prompt_ids = await prompt_token_ids(parsed, bundle)
         record.prompt_token_ids = prompt_ids
         record.prompt_tokens = len(prompt_ids)
+        # ---- auth hook (gateway/auth.py): the caller's key applies its model list, tenant cache_salt,
+        # max_tokens cap, prompt limit and tokens/min, editing parsed/raw before routing hashes them.
+        grant_of(request).admit(parsed, raw, record)
         self._check_context(parsed, prompt_ids, candidates)
 
         chat = isinstance(parsed, ChatCompletionRequest)

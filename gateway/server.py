@@ -10,8 +10,11 @@ from typing import Callable
 import structlog
 from aiohttp import web
 
+from gateway.auth import Gate, grant_of
 from gateway.config import Config
+from gateway.front_door import FrontDoor
 from gateway.kv_subscriber import KVEventSubscribers
+from gateway.limits import ConnectionGuard, GuardedSite
 from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
 from gateway.router import Router
@@ -26,18 +29,25 @@ from protocol.http import openai_errors
 log = structlog.get_logger("kvgate.gateway")
 
 
-def build_app(config: Config, config_path: str | None = None, launcher=None) -> web.Application:
+def build_app(config: Config, config_path: str | None = None, launcher=None,
+              admin_token: str | None = None) -> web.Application:
     """The gateway; with `config_path`, the YAML is watched and hot-reloaded; with `launcher`
-    (`kvgate up`), the replicas it started are supervised (restarted when they exit)."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=config.gateway.max_body_bytes)
+    (`kvgate up`), the replicas it started are supervised (restarted when they exit);
+    `admin_token` (the CLI reads KVGATE_ADMIN_TOKEN) opens /admin/* besides the YAML's token."""
     metrics = GatewayMetrics()
     pool = ReplicaPool(config, metrics)
     router = Router(config, metrics)
     request_log = RequestLog(config.logging.token_ids)
+    gate = Gate(config, admin_token)
+    guard = ConnectionGuard(config.limits, config.gateway.max_body_bytes)
+    door = FrontDoor(gate, guard, request_log, metrics, lambda: router.config.routing.session_header)
+    app = web.Application(middlewares=[openai_errors, door.middleware], client_max_size=config.gateway.max_body_bytes)
+    app.on_response_prepare.append(door.on_prepare)
     proxy = Proxy(pool, router, metrics, request_log)
     scraper = Scraper(pool, router, metrics)
     subscribers = KVEventSubscribers(router, metrics)
     app["pool"], app["metrics"], app["proxy"], app["router"] = pool, metrics, proxy, router
+    app["gate"], app["guard"] = gate, guard
     supervisor = None
     if launcher is not None:
         supervisor = Supervisor(launcher, config, metrics, router.state.tracker.own_in_flight)
@@ -51,16 +61,21 @@ def build_app(config: Config, config_path: str | None = None, launcher=None) -> 
         added, removed = pool.apply(new)
         subscribers.sync(new)
         request_log.token_ids = new.logging.token_ids
+        gate.apply(new)
+        guard.apply(new.limits)
         proxy.budget.fraction, proxy.budget.minimum = new.gateway.retry_budget, new.gateway.retry_budget_min
         if supervisor is not None:  # processes start/stop in the background (stopping waits for requests)
             app["supervisor_sync"] = asyncio.get_running_loop().create_task(supervisor.sync(new))
         return {"added": added, "removed": removed}
     started = int(time.time())
 
-    async def models(_request: web.Request) -> web.Response:
+    async def models(request: web.Request) -> web.Response:
         entries: dict[str, dict] = {}
+        key = grant_of(request).key
         for replica in pool.replicas:
             for model in replica.models or [replica.spec.model]:
+                if key is not None and key.models is not None and model not in key.models:
+                    continue  # a key sees the models it may use
                 entry = entries.setdefault(model, {"id": model, "object": "model", "created": started,
                                                    "owned_by": "kvgate", "root": model,
                                                    "max_model_len": None, "replicas": []})
@@ -71,12 +86,21 @@ def build_app(config: Config, config_path: str | None = None, launcher=None) -> 
         return web.json_response({"object": "list", "data": list(entries.values())})
 
     async def health(_request: web.Request) -> web.Response:
+        """Public: whether the gateway serves (some replica is ready) and whether all are; no names,
+        URLs or errors (those are at /admin/health)."""
+        ready = any(replica.ready for replica in pool.replicas)
+        return web.json_response({"status": "ok" if ready else "unavailable", "all_ready": pool.all_ready.is_set()},
+                                 status=200 if ready else 503)
+
+    async def admin_health(_request: web.Request) -> web.Response:
         ready = any(replica.ready for replica in pool.replicas)
         tracker, now = router.state.tracker, router.state.clock()
         return web.json_response(
             {"status": "ok" if ready else "unavailable", "all_ready": pool.all_ready.is_set(),
              "replicas": {replica.name: {**replica.describe(), "in_flight": tracker.in_flight(replica.name, now)}
-                          for replica in pool.replicas}},
+                          for replica in pool.replicas},
+             "connections": {"clients": len(guard.per_ip), "open": sum(guard.per_ip.values()),
+                             "refused": guard.refused, "header_timeouts": guard.head_timeouts}},
             status=200 if ready else 503)
 
     async def metrics_endpoint(_request: web.Request) -> web.Response:
@@ -104,6 +128,7 @@ def build_app(config: Config, config_path: str | None = None, launcher=None) -> 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/admin/health", admin_health)
     app.router.add_get("/admin/replicas", admin_replicas)
     app.router.add_post("/admin/replicas/{name}/{action:drain|undrain}", admin_drain)
     app.on_startup.append(pool.start)
@@ -129,7 +154,8 @@ def ready_line(config: Config) -> str:
 
 
 async def serve(config: Config, on_ready: Callable[[], None] | None = None,
-                stop: asyncio.Event | None = None, config_path: str | None = None, launcher=None) -> None:
+                stop: asyncio.Event | None = None, config_path: str | None = None, launcher=None,
+                admin_token: str | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready.
     Stopping drains: the listening socket closes at once, requests in flight get drain_grace_s
     to finish (aiohttp's graceful shutdown), and only then does the caller stop the replicas."""
@@ -137,14 +163,15 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(config, config_path, launcher)
+    app = build_app(config, config_path, launcher, admin_token)
     # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
     # request so the replica stops generating for nobody.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=config.gateway.drain_grace_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port, reuse_address=True,
+        # Connections are GuardedHandlers: per-client cap, header timeout, header limits (gateway/limits.py).
+        site = GuardedSite(runner, config.gateway.host, config.gateway.port, app["guard"], reuse_address=True,
                            backlog=1024)
         await site.start()
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port,
@@ -173,13 +200,13 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
 
 
 def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None,
-        launcher=None) -> int:
+        launcher=None, admin_token: str | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # not on Windows; asyncio's loop works, slower
-        asyncio.run(serve(config, on_ready, config_path=config_path, launcher=launcher))
+        asyncio.run(serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token))
     else:
-        uvloop.run(serve(config, on_ready, config_path=config_path, launcher=launcher))
+        uvloop.run(serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token))
     return 0
 
 

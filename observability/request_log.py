@@ -24,7 +24,7 @@ class RequestRecord:
                  "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "finish_reason", "error", "routing", "started_s",
                  "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers",
-                 "_emitted")
+                 "key", "tenant", "_emitted")
 
     def __init__(self, request_id: str, endpoint: str) -> None:
         self.request_id = request_id
@@ -48,6 +48,8 @@ class RequestRecord:
         self.finished_s: float | None = None
         self.failover: list[dict] | None = None  # one entry per failed try: replica, after_tokens, reason
         self.failed_after_headers = False        # its 200 had gone out before it failed (status is the truth)
+        self.key: str | None = None              # the API key's NAME (never the key), when keys are on
+        self.tenant: str | None = None           # whose prefix cache it used
         self._emitted = False
 
     def tokens_arrived(self, ids: list[int], now_s: float) -> None:
@@ -93,6 +95,8 @@ class RequestRecord:
             "itl_max_ms": ms(max(self.itl_s)) if self.itl_s else None,
             "finish_reason": self.finish_reason, "routing": self.routing,
         }
+        if self.key is not None:
+            fields["key"], fields["tenant"] = self.key, self.tenant
         if self.error is not None:
             fields["error"] = self.error
         if self.failover:

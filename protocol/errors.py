@@ -14,7 +14,7 @@ class APIError(Exception):
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  status: int | None = None, type: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -24,6 +24,7 @@ class APIError(Exception):
         if type is not None:
             self.type = type
         self.retry_after_s = retry_after_s
+        self.headers = headers or {}  # extra response headers (WWW-Authenticate, x-ratelimit-*)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -31,6 +32,36 @@ class APIError(Exception):
 
 class BadRequest(APIError):
     status = 400
+
+
+class Unauthorized(APIError):
+    """No credentials, or ones that are not valid (OpenAI: 401, invalid_request_error)."""
+    status = 401
+
+
+class Forbidden(APIError):
+    """Valid credentials that may not do this."""
+    status = 403
+    type = "permission_error"
+
+
+class RequestTimeout(APIError):
+    """The client was too slow sending its request."""
+    status = 408
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+
+
+class RateLimited(APIError):
+    """A key's own requests/min or tokens/min limit, in OpenAI's shape (type `requests` or `tokens`,
+    code `rate_limit_exceeded`); `headers` are the x-ratelimit-* values the response carries."""
+    status = 429
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: float, headers: dict | None = None):
+        super().__init__(message, type=kind, code="rate_limit_exceeded", retry_after_s=retry_after_s,
+                         headers=headers)
 
 
 class NotFound(APIError):

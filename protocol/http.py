@@ -13,7 +13,7 @@ log = structlog.get_logger("kvgate.http")
 
 
 def error_response(err: APIError) -> web.Response:
-    headers = {}
+    headers = dict(err.headers)
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     return web.json_response(err.body(), status=err.status, headers=headers)

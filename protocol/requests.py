@@ -18,7 +18,23 @@ MAX_TOKENS_LIMIT = 1 << 20
 PositiveTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+# Token IDs are hashed as uint32 and index int32 tensors: a bigger number is garbage, and a 400 here
+# rather than an OverflowError deep in the gateway or the engine.
+MAX_TOKEN_ID = (1 << 31) - 1
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]  # an int64 (the engine masks it to 64 bits)
+TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID)]
+# Strings that are keys or are checked on every token: bounded so no client can grow a map without
+# limit (the session table keys on `user`) or make the engine thread's stop check slow (its cost per
+# token grows with the square of a stop string's length).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_USER_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+MAX_MODEL_CHARS = 1024
+ShortModel = Annotated[str, Meta(max_length=MAX_MODEL_CHARS)]
+User = Annotated[str, Meta(max_length=MAX_USER_CHARS)]
+CacheSalt = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -28,12 +44,12 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
 
 class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Fields both endpoints share."""
-    model: str | None = None
+    model: ShortModel | None = None
     max_tokens: PositiveTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -41,8 +57,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
-    user: str | None = None
-    cache_salt: str | None = None
+    user: User | None = None
+    cache_salt: CacheSalt | None = None
     skip_special_tokens: bool | None = None   # None: the replica's default (True unless configured)
 
 
@@ -76,14 +92,21 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 
+def _decode(decoder: msgspec.json.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit: a 400, not a 500
+        raise BadRequest("The JSON body is nested too deeply.", code="json_too_deep") from None
+
+
 def decode_completion(body: bytes) -> CompletionRequest:
-    request = _completion_decoder.decode(body)
+    request = _decode(_completion_decoder, body)
     check_common(request)
     return request
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
-    request = _chat_decoder.decode(body)
+    request = _decode(_chat_decoder, body)
     check_common(request)
     if not request.messages:
         raise BadRequest("`messages` must contain at least one message.", param="messages")
@@ -112,8 +135,12 @@ def check_common(request: SamplingFields) -> None:
         if prompt == "" or prompt == [] or prompt == [[]]:
             raise BadRequest("`prompt` must not be empty.", param="prompt")
     stops = request.stop
-    if isinstance(stops, list) and len(stops) > 16:
-        raise BadRequest("At most 16 stop sequences are allowed.", param="stop")
+    if isinstance(stops, list) and len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"At most {MAX_STOP_STRINGS} stop sequences are allowed.", param="stop")
+    for stop in [stops] if isinstance(stops, str) else stops or ():
+        if len(stop) > MAX_STOP_CHARS:
+            raise BadRequest(f"A stop sequence may be at most {MAX_STOP_CHARS} characters long "
+                             f"(one has {len(stop)}).", param="stop", code="stop_too_long")
 
 
 # Fields of OpenAI's and vLLM's request bodies that the built-in replica does not honour yet, with the
@@ -152,7 +179,7 @@ def _same(value: Any, not_used: Any) -> bool:
 def check_honoured(body: bytes) -> None:
     """400 naming the first field of `UNHONOURED_FIELDS` set to anything but a not-used value
     (call once the body decoded as a request, so it is a JSON object)."""
-    fields = _unhonoured_decoder.decode(body)
+    fields = _decode(_unhonoured_decoder, body)
     for name, not_used in UNHONOURED_FIELDS.items():
         value = getattr(fields, name)
         if not any(_same(value, v) for v in not_used):

@@ -44,7 +44,7 @@ def test_approximate_mode_learns_from_streamed_requests(tmp_path):
             assert record["routing"]["predicted_cached_tokens"] >= first["prompt_tokens"] // 16 * 16 - 16
             assert record["cached_tokens"] > 0
         # Every stream was counted out of the load tracker once it ended: nothing left in flight.
-        health = http("GET", gateway.url + "/health")[2]
+        health = http("GET", gateway.url + "/admin/health")[2]
         assert all(entry["in_flight"] == 0 for entry in health["replicas"].values()), health
         assert gateway_metric(gateway, "kvgate_requests_in_flight") == 0
 

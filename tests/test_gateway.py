@@ -209,6 +209,8 @@ def test_models_and_health(gateway):
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["max_model_len"] == 2048
     status, _, health = http("GET", gateway.url + "/health")
+    assert status == 200 and health == {"status": "ok", "all_ready": True}  # public: nothing more
+    status, _, health = http("GET", gateway.url + "/admin/health")
     assert status == 200 and set(health["replicas"]) == {"r0", "r1"}
 
 

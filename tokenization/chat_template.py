@@ -1,4 +1,9 @@
-"""Chat template rendering the way transformers does it (sandboxed jinja2, same flags and helpers)."""
+"""Chat template rendering the way transformers does it (sandboxed jinja2, same flags and helpers).
+
+A template that refuses a conversation (`raise_exception("Conversation roles must alternate ...")`)
+or trips the sandbox is the request's fault: it comes out as a ValueError, which every server maps
+to a 400 naming `messages`. jinja's TemplateError is not a ValueError, so it is translated here,
+in the one place that renders."""
 from __future__ import annotations
 
 import json
@@ -53,11 +58,14 @@ def render_chat(
     eos_token: str | None,
     **kwargs,
 ) -> str:
-    template = compile_template(source)
-    return template.render(
-        messages=flatten_content(messages),
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token or "",
-        eos_token=eos_token or "",
-        **kwargs,
-    )
+    try:
+        template = compile_template(source)
+        return template.render(
+            messages=flatten_content(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+            **kwargs,
+        )
+    except jinja2.TemplateError as exc:  # raise_exception, sandbox refusals, undefined names
+        raise ValueError(f"The chat template refused these messages: {exc}") from None

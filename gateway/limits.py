@@ -1,0 +1,287 @@
+"""What one client may cost the gateway before a replica is involved: connections per IP, how long
+a request head and body may take to arrive, header count and size, JSON shape, request ids.
+
+Connection-level limits live in a RequestHandler subclass (aiohttp's per-connection protocol),
+served by a TCPSite subclass that builds it:
+
+  per-client cap     a connection from an IP that already holds `max_connections_per_client` is
+                     answered 429 (raw HTTP, OpenAI's shape) and closed before any parsing
+  header timeout     from a request head's first byte to its last: past `header_timeout_s` the
+                     client gets 408 and the connection closes (a slowloris trickling headers
+                     holds a connection for that long, not for an hour)
+  keep-alive         aiohttp closes an idle connection after `keepalive_timeout_s`
+  header size        aiohttp's parser (`max_headers`, `max_header_bytes`); its refusal is
+                     rendered here as 431 in OpenAI's shape instead of a text page
+
+Request-level limits are checked by `read_body` before the body is decoded: the whole body must
+arrive within `body_timeout_s` (408 and close), fit gateway.max_body_bytes (413), and nest no
+deeper than `max_json_depth` with at most `max_json_containers` objects and arrays (400): msgspec
+would refuse very deep nesting itself, but a body of many small containers decodes to ~40 times
+its size in Python objects, on the event loop."""
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+import numpy as np
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.config import LimitsSection
+from protocol.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, error_body
+
+log = structlog.get_logger("kvgate.limits")
+
+# An id that is safe in a header, a log line and a file name; anything else is replaced.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:=+/@-]{0,127}")
+MAX_SESSION_KEY_CHARS = 256
+
+
+class ConnectionGuard:
+    """Connection counts per client IP and the limits in force (a reload swaps `limits`)."""
+
+    def __init__(self, limits: LimitsSection, max_body_bytes: int) -> None:
+        self.limits = limits
+        self.max_body_bytes = max_body_bytes
+        self.per_ip: dict[str, int] = {}
+        self.refused = 0
+        self.head_timeouts = 0
+
+    def apply(self, limits: LimitsSection) -> None:
+        self.limits = limits
+
+    def handler_kwargs(self) -> dict:
+        """What aiohttp's handler takes from the limits (fixed at start: the listening socket's)."""
+        limits = self.limits
+        return {"max_headers": limits.max_headers, "max_line_size": limits.max_header_bytes,
+                "max_field_size": limits.max_header_bytes, "keepalive_timeout": limits.keepalive_timeout_s}
+
+    def open(self, ip: str) -> bool:
+        held = self.per_ip.get(ip, 0)
+        if held >= self.limits.max_connections_per_client:
+            self.refused += 1
+            return False
+        self.per_ip[ip] = held + 1
+        return True
+
+    def close(self, ip: str) -> None:
+        held = self.per_ip.get(ip, 0) - 1
+        if held > 0:
+            self.per_ip[ip] = held
+        else:
+            self.per_ip.pop(ip, None)
+
+
+def _raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
+    import json
+    body = json.dumps(error_body(message, "invalid_request_error" if status != 429 else "rate_limit_error",
+                                 None, code)).encode()
+    extra = f"Retry-After: {retry_after_s}\r\n" if retry_after_s else ""
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}Connection: close\r\n\r\n").encode() + body
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's connection protocol, plus the per-client cap and the header timeout."""
+
+    def __init__(self, manager, *, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._ip: str | None = None
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._heads = 0
+        self.in_request = False  # a request of this connection is being handled (set by read_body's caller)
+
+    def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        ip = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
+        if not self._guard.open(ip):
+            self._refused = True
+            limit = self._guard.limits.max_connections_per_client
+            transport.write(_raw_error(429, "Too Many Requests",
+                                       f"Too many open connections from {ip} (limit {limit}); close some "
+                                       "or reuse them (keep-alive).", "too_many_connections", 1))
+            # Close a moment later, reading (and dropping) what the client sends meanwhile: closing a
+            # socket with unread data resets it, and the client would see a reset, not the 429.
+            asyncio.get_running_loop().call_later(0.5, transport.close)
+            return
+        self._ip = ip
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        heads = self._request_count
+        super().data_received(data)
+        if self._request_count != heads:  # a whole request head arrived
+            self._disarm()
+        elif self._head_timer is None and not self.in_request:
+            self._arm()  # the first byte of a request head on a kept-alive connection
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        if self._refused:
+            return
+        if self._ip is not None:
+            self._guard.close(self._ip)
+            self._ip = None
+        super().connection_lost(exc)
+
+    def request_started(self) -> None:
+        self.in_request = True
+        self._disarm()
+
+    def request_done(self) -> None:
+        self.in_request = False
+
+    def _arm(self) -> None:
+        self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_too_slow)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.in_request or self.transport is None:
+            return
+        self._guard.head_timeouts += 1
+        seconds = self._guard.limits.header_timeout_s
+        self.transport.write(_raw_error(408, "Request Timeout", f"The request head did not arrive within "
+                                        f"{seconds:g} s (limits.header_timeout_s).", "header_timeout"))
+        self.force_close()
+        self.transport.close()
+
+    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        """aiohttp's parser refusals (bad request line, too many or too long headers) in OpenAI's
+        shape; 431 for headers over the limits."""
+        if status >= 500:  # a handler failure that escaped every middleware (should not happen)
+            super().handle_error(request, status, exc, message)  # logs it
+            return _json(status, "Internal error.", "internal_error", "internal_error")
+        text = str(getattr(exc, "message", None) or message or exc or "Bad request")
+        too_large = "Got more than" in text or "Too many headers" in text or "too long" in text.lower()
+        status = 431 if too_large else status
+        code = "headers_too_large" if too_large else "bad_http_request"
+        log.debug("http_refused", status=status, reason=text[:200])
+        return _json(status, f"Bad HTTP request: {text[:300]}", "invalid_request_error", code)
+
+
+def _json(status: int, message: str, type_: str, code: str) -> web.Response:
+    response = web.json_response(error_body(message, type_, None, code), status=status)
+    response.force_close()
+    return response
+
+
+class GuardedSite(web.TCPSite):
+    """TCPSite whose connections are GuardedHandlers."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(runner, host, port, **kwargs)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        guard, kwargs = self._guard, self._guard.handler_kwargs()
+
+        def protocol() -> GuardedHandler:
+            return GuardedHandler(server, guard=guard, loop=loop, **kwargs)
+
+        self._server = await loop.create_server(protocol, self._host, self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+
+
+# ---- per request ---------------------------------------------------------------------------------
+
+def checked_request_id(value: str | None) -> str | None:
+    """The client's x-request-id if it is a sane id (1-128 of A-Z a-z 0-9 . _ : = + / @ -), else None."""
+    return value if value and _REQUEST_ID.fullmatch(value) else None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def read_body(request: web.Request, guard: ConnectionGuard) -> bytes:
+    """The whole body, within the time and size limits, checked for JSON shape; aiohttp keeps it,
+    so the handler's own `await request.read()` returns it at once."""
+    limits = guard.limits
+    length = request.content_length
+    if length is not None and length > guard.max_body_bytes:
+        raise _too_large(guard.max_body_bytes)
+    try:
+        body = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {limits.body_timeout_s:g} s "
+                             "(limits.body_timeout_s).", code="body_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(guard.max_body_bytes) from None
+    if len(body) > _CHUNK:  # the exact scan of a big body takes up to ~0.3 s: not on the loop
+        await asyncio.get_running_loop().run_in_executor(
+            None, check_json_shape, body, limits.max_json_depth, limits.max_json_containers)
+    else:
+        check_json_shape(body, limits.max_json_depth, limits.max_json_containers)
+    return body
+
+
+def _too_large(limit: int) -> APIError:
+    return PayloadTooLarge(f"The request body is larger than {limit} bytes (gateway.max_body_bytes).",
+                           code="body_too_large")
+
+
+def check_json_shape(body: bytes, max_depth: int, max_containers: int) -> None:
+    """400 if the JSON nests deeper than max_depth or holds more than max_containers objects and
+    arrays. Cheap for ordinary bodies: a bracket count over the bytes (C speed) proves most of them
+    fine; only bodies with many brackets get the exact scan (numpy, strings excluded)."""
+    openers = body.count(b"[") + body.count(b"{")
+    if openers <= min(max_depth, max_containers):
+        return
+    depth, containers = json_shape(body)
+    if depth > max_depth:
+        raise BadRequest(f"The JSON body nests {depth} levels deep; at most {max_depth} are allowed "
+                         "(limits.max_json_depth).", code="json_too_deep")
+    if containers > max_containers:
+        raise BadRequest(f"The JSON body holds {containers} objects and arrays; at most {max_containers} "
+                         "are allowed (limits.max_json_containers).", code="json_too_large")
+
+
+_CHUNK = 1 << 20
+_OPEN = np.zeros(256, np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_CLOSE = np.zeros(256, np.int8)
+_CLOSE[[ord("]"), ord("}")]] = 1
+
+
+def json_shape(body: bytes) -> tuple[int, int]:
+    """(deepest nesting, containers) of a JSON text, not counting brackets inside strings. For valid
+    JSON it is exact; for invalid JSON it is some number, and the decoder refuses the body anyway.
+
+    Escapes are removed first: replacing `\\\\` pairs (left to right, as JSON pairs them) and then
+    `\\"` leaves only the quotes that open or close strings. Then, 1 MiB at a time (bounded memory),
+    a running parity of those quotes says what is inside a string, and a running sum of brackets
+    outside strings is the depth."""
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = np.frombuffer(text, np.uint8)
+    in_string = 0
+    depth = 0
+    deepest = 0
+    containers = 0
+    for start in range(0, len(data), _CHUNK):
+        chunk = data[start:start + _CHUNK]
+        quotes = (chunk == 34).astype(np.uint8)
+        inside = np.bitwise_xor.accumulate(quotes) ^ in_string  # 1 within a string (and on its opening quote)
+        in_string = int(inside[-1])
+        outside = inside == 0
+        opens = _OPEN[chunk] * outside
+        steps = opens - _CLOSE[chunk] * outside
+        running = np.cumsum(steps, dtype=np.int32) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+        containers += int(np.count_nonzero(opens))
+    return deepest, containers
