@@ -160,11 +160,19 @@ class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return getattr(self, name or self.policy, None) or RoundRobinParams()
 
 
+Engine = Literal["kvgate", "vllm", "sglang"]
+Role = Literal["mixed", "prefill", "decode"]
+
+
 class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """How `kvgate up` starts a built-in replica for this entry."""
+    """How `kvgate up` starts the server for this entry: a built-in replica, or a vLLM / SGLang
+    server (`engine`, which is also the replica's `engine`)."""
     model: str
+    engine: Engine | None = None      # default: the replica's `engine` (kvgate)
     threads: Annotated[int, Meta(ge=1, le=1024)] = 1
     extra_args: list[str] = []
+    executable: str | None = None     # vllm / sglang: the command to run (default: `vllm`, or python -m sglang...)
+    env: dict[str, str] = {}          # extra environment for the process (e.g. CUDA_VISIBLE_DEVICES)
 
 
 class KVEventsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -177,10 +185,17 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     url: str
     model: str
+    role: Role = "mixed"              # prefill / decode: a disaggregated pool (P/D), mixed: both
+    engine: Engine = "kvgate"         # the server's protocol for P/D: kvgate and vllm (kv_transfer_params), sglang (bootstrap)
+    bootstrap_port: Port | None = None  # sglang prefill: its --disaggregation-bootstrap-port (default 8998)
     tokenizer: str | None = None
     launch: LaunchSpec | None = None
     capacity_blocks: PositiveInt | None = None  # KV capacity in blocks (else learned, else the default)
     kv_events: KVEventsSpec | None = None
+
+    @property
+    def engine_name(self) -> str:
+        return (self.launch.engine if self.launch is not None and self.launch.engine else None) or self.engine
 
     @property
     def port(self) -> int:
@@ -292,6 +307,12 @@ def _value_problems(config: Config):
             yield ["replicas", index, "launch", "model"], "must not be empty"
         if replica.launch is not None and not why and urlsplit(replica.url).port is None:
             yield ["replicas", index, "url"], "a replica with `launch` needs an explicit port in its url"
+        if replica.launch is not None and replica.launch.engine and replica.engine != "kvgate" \
+                and replica.launch.engine != replica.engine:
+            yield (["replicas", index, "launch", "engine"],
+                   f"{replica.launch.engine!r} differs from the replica's engine {replica.engine!r}")
+        if replica.bootstrap_port is not None and replica.engine_name != "sglang":
+            yield ["replicas", index, "bootstrap_port"], "only SGLang prefill servers have a bootstrap port"
         if replica.kv_events is not None:
             for key in ("endpoint", "replay_endpoint"):
                 value = getattr(replica.kv_events, key)
