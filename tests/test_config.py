@@ -47,7 +47,8 @@ def test_good_config_decodes_with_defaults():
 def test_unknown_key_names_key_line_and_expected_keys():
     text = GOOD.replace("    model: m\n  - name: b", "    model: m\n    prot: 3\n  - name: b")
     assert error_of(text) == ("x.yaml:11: replicas[0].prot: unknown key "
-                              "(expected one of: name, url, model, tokenizer, launch, capacity_blocks, kv_events)")
+                              "(expected one of: name, url, model, role, engine, bootstrap_port, tokenizer, launch, capacity_blocks, "
+                              "kv_events)")
 
 
 def test_unknown_top_level_section():
