@@ -60,6 +60,7 @@ class Answer:
         self.prompt_token_ids: list[int] | None = None
         self.delivered = False          # [DONE] (or the whole JSON answer) went out
         self._echo_left = spec.echo_chars
+        self.kv_stats: dict | None = None  # a P/D decode leg's kv_transfer_stats (bytes pulled, seconds)
         self._detok: IncrementalDetokenizer | None = None  # resumed mode
         self._resume_text = ""          # the detokenizer's text beyond what was emitted before the seam
 
@@ -101,6 +102,10 @@ class Answer:
             error = chunk["error"]
             record.error = error.get("message") if isinstance(error, dict) else str(error)
             raise InBandError(record.error)
+        stats = chunk.pop("kv_transfer_stats", None)  # a decode leg's, for the record; not the client's
+        if stats is not None:
+            self.kv_stats = stats if isinstance(stats, dict) else None
+            raw_event = b"data: " + msgspec.json.encode(chunk)
         if self.base is None and "id" in chunk:
             self.base = {key: chunk.get(key) for key in ("id", "object", "created", "model")}
         choices = chunk.get("choices") or []

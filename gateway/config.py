@@ -15,6 +15,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from gateway.engines import engine_problems
 from routing import POLICIES
 from routing.params import (CacheAwareParams, ConsistentHashParams, LeastLoadParams, NonNegative, PositiveInt,
                             RoundRobinParams, SessionAffinityParams)
@@ -140,6 +141,12 @@ class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     stale_after_s: PositiveSeconds = 10.0
 
 
+class PDSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Prefill/decode pools (replicas with `role: prefill | decode`)."""
+    # No prefill leg when the chosen decode replica already caches this much of the prompt.
+    skip_prefill_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.8
+
+
 class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy: str = "round_robin"
     block_size: PositiveInt = 16                 # tokens per prefix block (the replicas' block size)
@@ -154,6 +161,7 @@ class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     consistent_hash: ConsistentHashParams = msgspec.field(default_factory=ConsistentHashParams)
     least_load: LeastLoadParams = msgspec.field(default_factory=LeastLoadParams)
     session_affinity: SessionAffinityParams = msgspec.field(default_factory=SessionAffinityParams)
+    pd: PDSection = msgspec.field(default_factory=PDSection)
 
     def policy_params(self, name: str | None = None) -> msgspec.Struct:
         """Policy `name`'s section (default: the configured policy's), the struct make_policy takes."""
@@ -171,7 +179,7 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Engine | None = None      # default: the replica's `engine` (kvgate)
     threads: Annotated[int, Meta(ge=1, le=1024)] = 1
     extra_args: list[str] = []
-    executable: str | None = None     # vllm / sglang: the command to run (default: `vllm`, or python -m sglang...)
+    executable: str | None = None     # the program instead of `vllm` / `python3` (sglang) / this Python (kvgate)
     env: dict[str, str] = {}          # extra environment for the process (e.g. CUDA_VISIBLE_DEVICES)
 
 
@@ -318,6 +326,7 @@ def _value_problems(config: Config):
                 value = getattr(replica.kv_events, key)
                 if value is not None and (bad := _zmq_endpoint_problem(value)):
                     yield ["replicas", index, "kv_events", key], bad
+    yield from engine_problems(config)  # what vLLM / SGLang / kvgate servers need (tokenizer, ports, flags)
 
 
 def _auth_problems(config: Config):

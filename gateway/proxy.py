@@ -35,7 +35,8 @@ from gateway.prompts import prompt_token_ids
 from gateway.resume import continuation_body, effective_max_tokens
 from gateway.retry_budget import RetryBudget
 from gateway.router import RoutedAttempt, Router
-from gateway.upstream import ReplicaPool, ReplicaState, refused
+from gateway.pd import PDState, PrefillDecode, is_pd_error
+from gateway.upstream import ReplicaPool, ReplicaState, refused, timeout_at
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog, RequestRecord
 from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Overloaded, Unavailable,
@@ -45,10 +46,6 @@ from protocol.requests import (AnyRequest, ChatCompletionRequest, check_honoured
                                fit_max_tokens, requested_max_tokens, stop_strings)
 from protocol.sse import EventSplitter
 
-try:
-    from asyncio import timeout_at
-except ImportError:  # Python 3.10: aiohttp's dependency has the same context manager
-    from async_timeout import timeout_at  # type: ignore[no-redef]
 
 log = structlog.get_logger("kvgate.proxy")
 _decode_json = msgspec.json.Decoder().decode
@@ -62,8 +59,9 @@ class TryFailed(Exception):
     """One try ended without a complete answer, for a reason that is the replica's, not the client's."""
 
     def __init__(self, reason: str, error: APIError, fatal: bool = False,
-                 counts_against_replica: bool = True) -> None:
+                 counts_against_replica: bool = True, kv_transfer: bool = False) -> None:
         super().__init__(reason)
+        self.kv_transfer = kv_transfer  # a P/D decode leg could not get its KV: redo the prefill leg
         self.reason = reason
         self.error = error   # what the client gets if no other try succeeds
         self.fatal = fatal   # the replica is certainly gone (connection refused): eject it now
@@ -82,6 +80,7 @@ class _Plan:
     streamed_upstream: bool  # the replica streams (always, unless the answer has fields we cannot collect)
     payload: bytes
     deadline: float          # loop time by which the whole request is over
+    pd: PDState | None       # set when the model is served by prefill/decode pools
     ttft_timeout_s: float
     inter_token_timeout_s: float
 
@@ -95,6 +94,9 @@ class Proxy:
         self.request_log = request_log
         gateway = pool.config.gateway
         self.budget = RetryBudget(gateway.retry_budget, gateway.retry_budget_min)
+        self.pd = PrefillDecode(pool, router, metrics)
+        for role in ("prefill", "decode", "mixed"):  # queue depth per pool, read when /metrics is scraped
+            metrics.pool_in_flight.labels(pool=role).set_function(lambda role=role: self._pool_in_flight(role))
         self.active = 0            # requests being handled (drain waits for 0)
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
@@ -182,7 +184,7 @@ class Proxy:
         router = self.router
         plan = _Plan(parsed, raw, model, prompt_ids, router.hashes(prompt_ids, parsed.cache_salt),
                      router.session_key(request.headers, parsed.user), collectable, _encode_json(raw),
-                     loop.time() + total_s, ttft_s, itl_s)
+                     loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
         echo_chars = 0
         if getattr(parsed, "echo", False) and isinstance(parsed.prompt, str):
             echo_chars = len(parsed.prompt)
@@ -221,16 +223,23 @@ class Proxy:
                 record.routing = attempt.log
                 if failed:
                     record.routing["retried_after"] = list(failed)
+                leg = None
                 if resuming:
                     answer.start_resume(replica.tokenizer or self._any_tokenizer(plan.model))
                     endpoint, payload = "/v1/completions", self._continuation(plan, answer, replica)
+                elif plan.pd is not None and replica.spec.role == "decode":
+                    record.pd = plan.pd.record
+                    matched = attempt.routed.decision.matched_blocks.get(replica.name, 0)
+                    leg = await self.pd.decode_leg(plan, record, replica, matched * self.router.state.block_size,
+                                                   plan.pd)
+                    endpoint, payload = record.endpoint, leg.payload
                 else:
                     endpoint, payload = record.endpoint, plan.payload
                 try:
                     if plan.streamed_upstream:
                         await self._try_stream(request, replica, endpoint, payload, plan, answer, attempt)
                     else:
-                        return await self._try_json(replica, plan, answer, attempt)
+                        return await self._try_json(replica, payload, plan, answer, attempt)
                     self.pool.report(replica, ok=True)
                     if failed:
                         resume_s = (attempt.first_token_s or time.perf_counter()) - failed_at
@@ -239,6 +248,8 @@ class Proxy:
                     return await answer.finish()
                 except TryFailed as failure:
                     failed_at = time.perf_counter()
+                    if failure.kv_transfer and plan.pd is not None and plan.pd.record.get("prefill"):
+                        plan.pd.prefill_failed.append(plan.pd.record["prefill"])  # next try: another prefill
                     if failure.counts_against_replica:
                         self.pool.report(replica, ok=False, reason=failure.reason, fatal=failure.fatal)
                     self.metrics.try_failures.labels(replica=replica.name).inc()
@@ -247,12 +258,29 @@ class Proxy:
                 finally:
                     attempt.cached_tokens = record.cached_tokens
                     self._signal_room()
+                    if leg is not None:
+                        await leg.close()
+                    if answer.kv_stats:
+                        self._take_kv_stats(record, answer)
             failed.append(replica.name)
             left = plan.deadline - asyncio.get_running_loop().time()
             if number == max_attempts or left <= 0 or not self.budget.try_spend(time.monotonic()):
                 break
             self.metrics.retries.labels(kind="resume" if record.output_token_ids else "retry").inc()
         return await self._give_up(record, answer, last)
+
+    def _take_kv_stats(self, record: RequestRecord, answer: Answer) -> None:
+        stats = answer.kv_stats
+        answer.kv_stats = None
+        moved = stats.get("kv_transfer_bytes") or 0
+        if record.pd is not None:
+            record.pd.update(kv_bytes=moved, kv_seconds=stats.get("kv_transfer_seconds"),
+                             kv_blocks_pulled=stats.get("blocks_pulled"), kv_blocks_local=stats.get("blocks_local"))
+            if stats.get("recomputed"):
+                record.pd.update(recomputed=True, kv_error=stats.get("error"))
+        if moved:
+            self.metrics.kv_transfer_bytes.inc(moved)
+            self.metrics.kv_transfer_seconds.observe(stats.get("kv_transfer_seconds") or 0.0)
 
     async def _give_up(self, record: RequestRecord, answer: Answer, failure: TryFailed) -> web.StreamResponse:
         error = failure.error
@@ -272,7 +300,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
         while True:
-            ready = self.pool.candidates(plan.model)
+            ready = self._main_pool(plan)
             fresh = [r for r in ready if r.name not in failed]
             ready = fresh or ready
             names = [r.name for r in ready if tracker.own_in_flight(r.name) < gateway.max_in_flight_per_replica]
@@ -298,6 +326,21 @@ class Proxy:
             finally:
                 self._queued -= 1
                 self.metrics.queued.set(self._queued)
+
+    def _pool_in_flight(self, role: str) -> int:
+        tracker = self.router.state.tracker
+        return sum(tracker.own_in_flight(r.name) for r in self.pool.replicas if r.spec.role == role)
+
+    def _main_pool(self, plan: _Plan) -> list[ReplicaState]:
+        """The replicas a request's answer can come from: the decode pool of a P/D model (its mixed
+        replicas when no decode replica is ready), else the mixed replicas. Prefill replicas only
+        ever get prefill legs."""
+        ready = self.pool.candidates(plan.model)
+        if plan.pd is not None:
+            decode = [r for r in ready if r.spec.role == "decode"]
+            if decode:
+                return decode
+        return [r for r in ready if r.spec.role == "mixed"]
 
     def _signal_room(self) -> None:
         room, self._room = self._room, asyncio.Event()
@@ -412,7 +455,7 @@ class Proxy:
             raise TryFailed("stream ended without a finish_reason", UpstreamError(
                 f"Replica {replica.name} ended the stream early.", code="upstream_disconnected"))
 
-    async def _try_json(self, replica: ReplicaState, plan: _Plan, answer: Answer,
+    async def _try_json(self, replica: ReplicaState, payload: bytes, plan: _Plan, answer: Answer,
                         attempt: RoutedAttempt) -> web.Response:
         """A non-streamed answer passed through as is (fields the gateway does not collect from a
         stream); a failure before it arrives is tried again from scratch."""
@@ -420,7 +463,7 @@ class Proxy:
         upstream = None
         try:
             async with timeout_at(plan.deadline):
-                upstream = await self.pool.session.post(replica.base_url + record.endpoint, data=plan.payload,
+                upstream = await self.pool.session.post(replica.base_url + record.endpoint, data=payload,
                                                         headers=_headers(record.request_id))
                 if upstream.status != 200:
                     raise await self._status_error(upstream, replica)
@@ -466,6 +509,9 @@ class Proxy:
         retry_after = upstream.headers.get("Retry-After", "")
         if retry_after.isdigit():  # a replica's overload advice reaches the client (429/503)
             error.retry_after_s = float(retry_after)
+        if is_pd_error(error.code):  # the KV pull of a decode leg: the prefill side's trouble
+            return TryFailed(f"KV transfer: {error.code}: {error.message[:200]}", error,
+                             counts_against_replica=False, kv_transfer=True)
         if upstream.status in _RETRY_STATUSES:
             return TryFailed(f"HTTP {upstream.status} from {replica.name}: {error.message[:200]}", error)
         return error

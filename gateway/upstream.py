@@ -16,6 +16,11 @@ from gateway.health import STATES, HealthPolicy, ReplicaHealth
 from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
 
+try:
+    from asyncio import timeout_at
+except ImportError:  # Python 3.10: aiohttp's dependency has the same context manager
+    from async_timeout import timeout_at  # type: ignore[no-redef]  # noqa: F401  (used by proxy, pd)
+
 log = structlog.get_logger("kvgate.upstream")
 
 DISCOVERY_INTERVAL_S = 0.5   # a replica still loading is polled this often, backing off to 5 s

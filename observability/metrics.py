@@ -66,6 +66,16 @@ class GatewayMetrics:
                                    registry=r)
         self.ejections = Counter("kvgate_replica_ejections", "Times a replica was taken out of rotation.",
                                  ["replica", "reason"], registry=r)
+        # Prefill/decode pools.
+        self.pd_requests = Counter("kvgate_pd_requests", "P/D tries by path: prefill_decode (two legs), "
+                                   "skipped_prefill (the decode replica held the prompt), fallback (no "
+                                   "prefill replica answered: the decode replica prefilled).", ["path"], registry=r)
+        self.kv_transfer_bytes = Counter("kvgate_kv_transfer_bytes", "KV cache bytes decode replicas pulled "
+                                         "from prefill replicas (as they reported).", registry=r)
+        self.kv_transfer_seconds = Histogram("kvgate_kv_transfer_seconds", "KV pulls, as decode replicas "
+                                             "reported them.", buckets=ITL_BUCKETS_S, registry=r)
+        self.pool_in_flight = Gauge("kvgate_pool_in_flight", "The gateway's requests on each pool (prefill, "
+                                    "decode, mixed): its queue depths.", ["pool"], registry=r)
         self.restarts = Counter("kvgate_replica_restarts", "Launched replicas restarted after they exited.",
                                 ["replica"], registry=r)
 

@@ -23,7 +23,7 @@ class RequestRecord:
     __slots__ = ("request_id", "model", "replica", "endpoint", "stream", "status",
                  "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "finish_reason", "error", "routing", "started_s",
-                 "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers",
+                 "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers", "pd",
                  "key", "tenant", "_emitted")
 
     def __init__(self, request_id: str, endpoint: str) -> None:
@@ -48,6 +48,7 @@ class RequestRecord:
         self.finished_s: float | None = None
         self.failover: list[dict] | None = None  # one entry per failed try: replica, after_tokens, reason
         self.failed_after_headers = False        # its 200 had gone out before it failed (status is the truth)
+        self.pd: dict | None = None              # P/D: prefill and decode replica, KV moved, skips, fallbacks
         self.key: str | None = None              # the API key's NAME (never the key), when keys are on
         self.tenant: str | None = None           # whose prefix cache it used
         self._emitted = False
@@ -103,6 +104,8 @@ class RequestRecord:
             fields["failover"] = self.failover
         if self.failed_after_headers:
             fields["failed_after_headers"] = True
+        if self.pd is not None:
+            fields["pd"] = self.pd
         prompt_ids = self.prompt_token_ids
         if token_ids == "full":
             fields["prompt_token_ids"] = prompt_ids
