@@ -44,7 +44,13 @@ def new_secret(prefix: str = KEY_PREFIX) -> str:
 
 
 def secret_hash(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
+    return _digest(secret).hex()
+
+
+def _digest(secret: str) -> bytes:
+    # surrogateescape: aiohttp hands header bytes that are not UTF-8 over as surrogates; such a
+    # token matches nothing, but must not raise
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
 
 
 def tenant_salt(tenant: str) -> str:
@@ -195,7 +201,7 @@ class Gate:
         self.admin_open = not admin and not self.keys_required and is_loopback(config.gateway.host)
 
     def _match(self, token: str) -> KeyPolicy | None:
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = _digest(token)
         found = None
         for key in self.keys:  # every key is compared: no early exit
             if hmac.compare_digest(digest, key.digest):
@@ -234,7 +240,7 @@ class Gate:
         if token is None:
             raise Unauthorized("This endpoint needs the admin token (Authorization: Bearer ADMIN_TOKEN).",
                                code="missing_admin_token", headers=_CHALLENGE)
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = _digest(token)
         matched = False
         for stored in self.admin_digests:
             matched |= hmac.compare_digest(digest, stored)

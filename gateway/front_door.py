@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.auth import GRANT, Gate
 from gateway.limits import (MAX_SESSION_KEY_CHARS, ConnectionGuard, GuardedHandler, checked_request_id,
@@ -62,9 +63,7 @@ class FrontDoor:
                 return self._refused(request, request_id, err)
             request[GRANT] = grant  # before the clone below, which copies the request's state
             if given != request_id:  # the proxy and the replica see the id the response carries
-                headers = request.headers.copy()
-                headers["x-request-id"] = request_id
-                request = request.clone(headers=headers)
+                request = request.clone(headers=_with_header(request, "x-request-id", request_id))
             try:
                 self._check_session_key(request)
                 if request.method == "POST":
@@ -81,6 +80,8 @@ class FrontDoor:
             try:
                 await read_body(request, self.guard)
             except (RequestTimeout, PayloadTooLarge) as err:
+                if isinstance(err, RequestTimeout) and isinstance(request.protocol, GuardedHandler):
+                    request.protocol.close_after_response()
                 return _closing(err)
         return await handler(request)
 
@@ -98,6 +99,8 @@ class FrontDoor:
         self.request_log.emit(record)
         self.metrics.observe_request(replica=None, status=err.status, ttft_s=None, itl_s=[], e2e_s=record.e2e_s,
                                      prompt_tokens=None, completion_tokens=None)
+        if isinstance(err, RequestTimeout) and isinstance(request.protocol, GuardedHandler):
+            request.protocol.close_after_response()
         if isinstance(err, (RequestTimeout, PayloadTooLarge)):
             return _closing(err)
         return error_response(err)
@@ -110,6 +113,20 @@ class FrontDoor:
         request_id = request.get(REQUEST_ID)
         if request_id is not None and "x-request-id" not in response.headers:
             response.headers["x-request-id"] = request_id
+
+
+def _with_header(request: web.Request, name: str, value: str) -> CIMultiDict:
+    """The request's headers with one replaced. clone() encodes every header back to UTF-8; a value
+    aiohttp decoded from bytes that are not UTF-8 (surrogates) is kept as the same bytes, read as latin-1."""
+    headers = CIMultiDict()
+    for key, item in request.headers.items():
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            item = item.encode("utf-8", "surrogateescape").decode("latin-1")
+        headers.add(key, item)
+    headers[name] = value
+    return headers
 
 
 def _closing(err: APIError) -> web.Response:

@@ -11,7 +11,7 @@ served by a TCPSite subclass that builds it:
                      holds a connection for that long, not for an hour)
   keep-alive         aiohttp closes an idle connection after `keepalive_timeout_s`
   header size        aiohttp's parser (`max_headers`, `max_header_bytes`); its refusal is
-                     rendered here as 431 in OpenAI's shape instead of a text page
+                     a 431 in OpenAI's shape (protocol/http.py), not a text page
 
 Request-level limits are checked by `read_body` before the body is decoded: the whole body must
 arrive within `body_timeout_s` (408 and close), fit gateway.max_body_bytes (413), and nest no
@@ -21,18 +21,17 @@ its size in Python objects, on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import re
 import uuid
 
 import numpy as np
-import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from gateway.config import LimitsSection
 from protocol.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, error_body
-
-log = structlog.get_logger("kvgate.limits")
+from protocol.http import OpenAIErrorsHandler, OpenAIErrorsSite
 
 # An id that is safe in a header, a log line and a file name; anything else is replaced.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:=+/@-]{0,127}")
@@ -75,7 +74,7 @@ class ConnectionGuard:
 
 
 def _raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
-    import json
+    """A whole HTTP response, written straight to a transport that has no aiohttp request."""
     body = json.dumps(error_body(message, "invalid_request_error" if status != 429 else "rate_limit_error",
                                  None, code)).encode()
     extra = f"Retry-After: {retry_after_s}\r\n" if retry_after_s else ""
@@ -83,8 +82,9 @@ def _raw_error(status: int, reason: str, message: str, code: str, retry_after_s:
             f"{extra}Connection: close\r\n\r\n").encode() + body
 
 
-class GuardedHandler(RequestHandler):
-    """aiohttp's connection protocol, plus the per-client cap and the header timeout."""
+class GuardedHandler(OpenAIErrorsHandler):
+    """aiohttp's connection protocol (refusals in OpenAI's shape), plus the per-client cap and the
+    header timeout."""
 
     def __init__(self, manager, *, guard: ConnectionGuard, **kwargs) -> None:
         super().__init__(manager, **kwargs)
@@ -138,6 +138,12 @@ class GuardedHandler(RequestHandler):
     def request_done(self) -> None:
         self.in_request = False
 
+    def close_after_response(self) -> None:
+        """Close once the response is out, without aiohttp's lingering read of the unread body (up to
+        10 s of reading whatever a too-slow client still trickles)."""
+        self._lingering_time = 0.0
+        self.close()
+
     def _arm(self) -> None:
         self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_too_slow)
 
@@ -154,47 +160,15 @@ class GuardedHandler(RequestHandler):
         seconds = self._guard.limits.header_timeout_s
         self.transport.write(_raw_error(408, "Request Timeout", f"The request head did not arrive within "
                                         f"{seconds:g} s (limits.header_timeout_s).", "header_timeout"))
-        self.force_close()
-        self.transport.close()
-
-    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
-        """aiohttp's parser refusals (bad request line, too many or too long headers) in OpenAI's
-        shape; 431 for headers over the limits."""
-        if status >= 500:  # a handler failure that escaped every middleware (should not happen)
-            super().handle_error(request, status, exc, message)  # logs it
-            return _json(status, "Internal error.", "internal_error", "internal_error")
-        text = str(getattr(exc, "message", None) or message or exc or "Bad request")
-        too_large = "Got more than" in text or "Too many headers" in text or "too long" in text.lower()
-        status = 431 if too_large else status
-        code = "headers_too_large" if too_large else "bad_http_request"
-        log.debug("http_refused", status=status, reason=text[:200])
-        return _json(status, f"Bad HTTP request: {text[:300]}", "invalid_request_error", code)
+        self.force_close()  # closes the transport once the 408 is written
 
 
-def _json(status: int, message: str, type_: str, code: str) -> web.Response:
-    response = web.json_response(error_body(message, type_, None, code), status=status)
-    response.force_close()
-    return response
-
-
-class GuardedSite(web.TCPSite):
-    """TCPSite whose connections are GuardedHandlers."""
+class GuardedSite(OpenAIErrorsSite):
+    """The gateway's site: its connections are GuardedHandlers built with the guard's limits."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, **kwargs) -> None:
-        super().__init__(runner, host, port, **kwargs)
-        self._guard = guard
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        guard, kwargs = self._guard, self._guard.handler_kwargs()
-
-        def protocol() -> GuardedHandler:
-            return GuardedHandler(server, guard=guard, loop=loop, **kwargs)
-
-        self._server = await loop.create_server(protocol, self._host, self._port, backlog=self._backlog,
-                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        super().__init__(runner, host, port, handler_class=functools.partial(GuardedHandler, guard=guard),
+                         handler_kwargs=guard.handler_kwargs(), **kwargs)
 
 
 # ---- per request ---------------------------------------------------------------------------------

@@ -148,6 +148,18 @@ def test_config_refuses_an_open_gateway_on_a_public_host_unless_told():
         _config(f"    - {{name: a, sha256: '{sha('a')}', models: [gpt]}}\n")
 
 
+def test_check_config_refuses_a_public_host_without_keys_and_names_the_line(tmp_path):
+    config = tmp_path / "public.yaml"
+    config.write_text("# public\ngateway:\n  host: 0.0.0.0\n" + REPLICAS)
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"{config}:3: gateway.host: '0.0.0.0' is not a loopback address" in done.stderr
+    config.write_text("# public\ngateway:\n  host: 0.0.0.0\nauth: none\n" + REPLICAS)
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_keys_edits_keep_every_comment_and_round_trip():
     text = ("# my gateway\ngateway: {host: 127.0.0.1}   # loopback\n"
             "auth:\n  keys: []    # keys go here\n  metrics: public\n" + REPLICAS)
