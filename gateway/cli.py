@@ -21,8 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the built-in replicas of a config, then the gateway")
     up.add_argument("--config", default=None, help=f"routing YAML (default: {DEFAULT_CONFIG})")
-    up.add_argument("--startup-timeout-s", type=float, default=600.0,
-                    help="how long replicas may take to load before kvgate gives up")
+    up.add_argument("--startup-timeout-s", type=float, default=None,
+                    help="how long each replica may take to load before kvgate gives up (default: "
+                         "600 s for kvgate's own, 3600 s for vLLM and SGLang, which may download weights first)")
     serve = sub.add_parser("serve", help="run the gateway alone in front of the replicas in a config")
     serve.add_argument("--config", required=True, help="routing YAML")
     sub.add_parser("replica", help="run one built-in replica (see `kvgate replica --help`)", add_help=False)
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "(see `kvgate tail --help`)", add_help=False)
     check = sub.add_parser("check-config", help="validate a routing YAML file")
     check.add_argument("file")
+    check.add_argument("--commands", action="store_true",
+                       help="also print the command `kvgate up` runs for each `launch` entry")
     keys = sub.add_parser("keys", help="API keys and the admin token in a routing YAML (see `kvgate keys -h`)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     add = keys_sub.add_parser("add", help="make a new API key: prints it once, writes only its SHA-256")
@@ -112,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             return config
         print(f"ok: {args.file} ({len(config.replicas)} replica{'s' if len(config.replicas) != 1 else ''}, "
               f"policy {config.routing.policy})")
+        if args.commands:
+            from gateway.engines import engine_command
+            for spec in config.replicas:
+                if spec.launch is not None:
+                    print(f"{spec.name}: {engine_command(spec, config.routing.block_size).shell()}")
         return 0
     if args.command == "keys":
         from gateway.keys_cli import main as keys_main
@@ -138,7 +146,7 @@ def _admin_token() -> str | None:
     return os.environ.get("KVGATE_ADMIN_TOKEN") or None
 
 
-def _up(path: str | Path, startup_timeout_s: float) -> int:
+def _up(path: str | Path, startup_timeout_s: float | None) -> int:
     config = _load(path)
     if isinstance(config, int):
         return config
@@ -167,22 +175,34 @@ def _up(path: str | Path, startup_timeout_s: float) -> int:
         launcher.stop()
 
 
-def _wait_with_progress(launcher, timeout_s: float) -> None:
+def _wait_with_progress(launcher, timeout_s: float | None) -> None:
     names = ", ".join(r.spec.name for r in launcher.replicas)
     print(f"kvgate: starting {len(launcher.replicas)} replica(s): {names} (logs in {launcher.log_dir})",
           file=sys.stderr, flush=True)
+    for replica in launcher.replicas:
+        if replica.spec.engine_name != "kvgate":  # say what runs: the user may need to run it by hand
+            print(f"kvgate: {replica.spec.name}: {replica.command.shell()}", file=sys.stderr, flush=True)
+    by_name = {r.spec.name: r for r in launcher.replicas}
+
+    def latest(waiting: list[str]) -> str:
+        """A loading engine's own progress line (vLLM and SGLang load for minutes)."""
+        lines = [f"{name}: {line[:120]}" for name in waiting if (line := by_name[name].last_line())]
+        return "; ".join(lines)
+
     if sys.stderr.isatty():
         from rich.console import Console
+        from rich.markup import escape
         with Console(stderr=True).status("loading replicas...") as status:
-            launcher.wait_healthy(timeout_s, lambda waiting, elapsed_s: status.update(
-                f"loading {', '.join(waiting)} ({elapsed_s:.0f} s)"))
+            launcher.wait_healthy(timeout_s, lambda waiting, elapsed_s: status.update(escape(
+                f"loading {', '.join(waiting)} ({elapsed_s:.0f} s) {latest(waiting)}")))
     else:
         last_report = [0.0]
 
         def report(waiting: list[str], elapsed_s: float) -> None:
             if elapsed_s - last_report[0] >= 5.0:
                 last_report[0] = elapsed_s
-                print(f"kvgate: waiting for {', '.join(waiting)} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
+                print(f"kvgate: waiting for {', '.join(waiting)} ({elapsed_s:.0f} s) {latest(waiting)}".rstrip(),
+                      file=sys.stderr, flush=True)
 
         launcher.wait_healthy(timeout_s, report)
     print("kvgate: replicas healthy", file=sys.stderr, flush=True)

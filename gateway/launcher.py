@@ -1,6 +1,7 @@
-"""`kvgate up`: start a built-in replica process for every config entry with a `launch` block,
-wait for each to answer /health (bounded), and stop them all, children included, on the way out.
-While the gateway serves, gateway/supervisor.py restarts the ones that exit (through `launch`)."""
+"""`kvgate up`: start a server process for every config entry with a `launch` block (kvgate's own
+replica, vLLM or SGLang: gateway/engines.py builds each command), wait for each to answer /health
+(bounded, per engine: real engines take minutes to load), and stop them all, children included,
+on the way out. While the gateway serves, gateway/supervisor.py restarts the ones that exit."""
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from gateway.config import Config, ReplicaSpec
+from gateway.engines import EngineCommand, engine_command, startup_timeout_s
 
 STOP_GRACE_S = 10.0
 
@@ -24,9 +25,10 @@ class LaunchError(RuntimeError):
 
 
 class LaunchedReplica:
-    def __init__(self, spec: ReplicaSpec, proc: subprocess.Popen, log_path: Path) -> None:
+    def __init__(self, spec: ReplicaSpec, proc: subprocess.Popen, log_path: Path, command: EngineCommand) -> None:
         self.spec = spec
         self.proc = proc
+        self.command = command  # what it runs: a reload that changes it restarts the process
         self.log_path = log_path
         self.started_s = time.monotonic()
 
@@ -37,17 +39,15 @@ class LaunchedReplica:
             return "(no output captured)"
         return "\n".join(text.splitlines()[-lines:]) or "(no output)"
 
-
-def replica_argv(spec: ReplicaSpec) -> list[str]:
-    launch = spec.launch
-    host = urlsplit(spec.url).hostname or "127.0.0.1"
-    argv = [sys.executable, "-m", "replica", "--model", launch.model, "--host", host, "--port", str(spec.port),
-            "--threads", str(launch.threads), "--served-model-name", spec.model]
-    if spec.kv_events is not None:  # the replica publishes where the gateway subscribes
-        argv += ["--kv-events-endpoint", spec.kv_events.endpoint]
-        if spec.kv_events.replay_endpoint:
-            argv += ["--kv-events-replay-endpoint", spec.kv_events.replay_endpoint]
-    return argv + list(launch.extra_args)
+    def last_line(self) -> str:
+        """Its latest line of output (a loading engine's progress), from the end of its log only."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(max(0, log_file.seek(0, os.SEEK_END) - 4096))
+                lines = log_file.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def _die_with_parent() -> None:
@@ -70,19 +70,27 @@ class Launcher:
             if spec.launch is not None:
                 self.replicas.append(self.launch(spec))
 
+    def command(self, spec: ReplicaSpec) -> EngineCommand:
+        return engine_command(spec, self.config.routing.block_size)
+
     def launch(self, spec: ReplicaSpec) -> LaunchedReplica:
         """Start (or restart: its output is appended to the same log) one replica process."""
         log_path = self.log_dir / f"{spec.name}.log"
+        command = self.command(spec)
         with open(log_path, "ab") as log_file:
+            log_file.write(f"kvgate: starting {spec.name}: {command.shell()}\n".encode())
+            log_file.flush()
             proc = subprocess.Popen(
-                replica_argv(spec), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                command.argv, env={**os.environ, **command.env}, stdin=subprocess.DEVNULL, stdout=log_file,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches kvgate, which stops replicas in order
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        return LaunchedReplica(spec, proc, log_path)
+        return LaunchedReplica(spec, proc, log_path, command)
 
-    def wait_healthy(self, timeout_s: float, progress=None) -> None:
+    def wait_healthy(self, timeout_s: float | None = None, progress=None) -> None:
         """Poll each replica's /health until all answer 200; LaunchError with the output tail if one
-        exits or the time runs out. `progress(waiting_names, elapsed_s)` is called between polls."""
+        exits or its time runs out (`timeout_s`, or its engine's: gateway/engines.py STARTUP_TIMEOUT_S).
+        `progress(waiting_names, elapsed_s)` is called between polls."""
         started = time.monotonic()
         waiting = list(self.replicas)
         while waiting:
@@ -96,10 +104,12 @@ class Launcher:
             elapsed_s = time.monotonic() - started
             if not waiting:
                 break
-            if elapsed_s > timeout_s:
-                names = ", ".join(r.spec.name for r in waiting)
-                tails = "\n".join(f"--- {r.spec.name} ({r.log_path}):\n{r.output_tail()}" for r in waiting)
-                raise LaunchError(f"replica(s) {names} not healthy after {timeout_s:.0f} s\n{tails}")
+            late = [r for r in waiting if elapsed_s > (timeout_s or startup_timeout_s(r.spec))]
+            if late:
+                names = ", ".join(r.spec.name for r in late)
+                tails = "\n".join(f"--- {r.spec.name} ({r.log_path}):\n{r.output_tail()}" for r in late)
+                raise LaunchError(f"replica(s) {names} not healthy after {elapsed_s:.0f} s "
+                                  f"(--startup-timeout-s)\n{tails}")
             if progress is not None:
                 progress([r.spec.name for r in waiting], elapsed_s)
             time.sleep(0.25)  # a separate process: polling /health is the only signal it gives
@@ -120,8 +130,20 @@ def stop_process(replica: LaunchedReplica, deadline_s: float) -> None:
     try:
         replica.proc.wait(timeout=max(0.1, deadline_s - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(replica.proc.pid, signal.SIGKILL)  # its own session: takes its children too
-        replica.proc.wait(timeout=5)
+        pass
+    kill_leftovers(replica)
+    replica.proc.wait(timeout=5)
+
+
+def kill_leftovers(replica: LaunchedReplica) -> None:
+    """SIGKILL what is left of a server's session: the server if it still runs, and the processes
+    it started (vLLM's engine core and workers, SGLang's scheduler and detokenizer) when it died
+    without stopping them; they would hold the GPU memory and ports its restart needs. The session
+    id is the server's pid, which Linux does not hand out again while the session has members."""
+    try:
+        os.killpg(replica.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
 
 
 def _healthy(url: str) -> bool:

@@ -17,7 +17,7 @@ import structlog
 
 from gateway.background import BackgroundLoop
 from gateway.config import Config
-from gateway.launcher import LaunchedReplica, Launcher, STOP_GRACE_S, stop_process
+from gateway.launcher import LaunchedReplica, Launcher, STOP_GRACE_S, kill_leftovers, stop_process
 from observability.metrics import GatewayMetrics
 
 log = structlog.get_logger("kvgate.supervisor")
@@ -79,6 +79,7 @@ class Supervisor(BackgroundLoop):
                 self._restart(name, child, now_s)
 
     def _exited(self, name: str, child: _Child, code: int, now_s: float) -> None:
+        kill_leftovers(child.launched)  # a server that died leaves its own children (vLLM, SGLang)
         while child.restarts and child.restarts[0] < now_s - 60.0:
             child.restarts.popleft()
         limit = self.config.health.max_restarts_per_minute
@@ -113,11 +114,13 @@ class Supervisor(BackgroundLoop):
         replicas[replicas.index(old)] = new
 
     async def sync(self, config: Config) -> None:
-        """A reload: start the `launch` entries it added, stop the ones it removed or changed."""
+        """A reload: start the `launch` entries it added, stop the ones it removed or whose command
+        changed (anything in the entry it is built from, or routing.block_size)."""
         self.config = config
+        self.launcher.config = config
         wanted = {spec.name: spec for spec in config.replicas if spec.launch is not None}
         for name in [n for n, child in self.children.items()
-                     if n not in wanted or _launch_identity(wanted[n]) != _launch_identity(child.launched.spec)]:
+                     if n not in wanted or self.launcher.command(wanted[n]) != child.launched.command]:
             child = self.children.pop(name)
             self.launcher.replicas.remove(child.launched)
             # The gateway routes nothing new to it any more; the requests it runs finish first.
@@ -135,7 +138,3 @@ class Supervisor(BackgroundLoop):
                 self.launcher.replicas.append(launched)
                 self.children[name] = _Child(launched, config.health.restart_backoff_s)
                 log.info("replica_launched", replica=name, pid=launched.proc.pid, log=str(launched.log_path))
-
-
-def _launch_identity(spec) -> tuple:
-    return (spec.url, spec.model, spec.launch, spec.kv_events)
