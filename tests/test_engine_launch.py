@@ -7,13 +7,12 @@ Flag names and JSON shapes below are the engines' own (the files are named at ea
 vLLM 0.33.0 and SGLang 0.5.23."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -89,7 +88,8 @@ def test_vllm_prefill_and_decode_get_nixl_as_producer_and_consumer(role, kv_role
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
 def test_sglang_gets_its_disaggregation_mode_page_size_metrics_and_kv_events(role):
-    command = command_of(sglang_entry(role, extra=KV_EVENTS + ("    bootstrap_port: 9001\n" if role == "prefill" else "")))
+    bootstrap = "    bootstrap_port: 9001\n" if role == "prefill" else ""
+    command = command_of(sglang_entry(role, extra=KV_EVENTS + bootstrap))
     # sglang/launch_server.py; srt/arg_groups/fields/: model.py --model-path, serving.py --host --port
     # --served-model-name, schedule.py --page-size, observability.py --enable-metrics --kv-events-config,
     # disagg.py --disaggregation-mode (null|prefill|decode) --disaggregation-bootstrap-port (default 8998).
@@ -121,7 +121,9 @@ def test_kvgate_replicas_get_their_role_and_the_block_size():
 
 
 def test_executable_replaces_the_program_and_keeps_the_engines_entry_point():
-    vllm = command_of(vllm_entry(launch_extra=", executable: \"'/opt/vllm env/bin/python' -m vllm.entrypoints.cli.main\""))  # split as a shell would
+    # split as a shell would: quotes keep a path with a space whole
+    program = "\"'/opt/vllm env/bin/python' -m vllm.entrypoints.cli.main\""
+    vllm = command_of(vllm_entry(launch_extra=f", executable: {program}"))
     assert vllm.argv[:5] == ["/opt/vllm env/bin/python", "-m", "vllm.entrypoints.cli.main", "serve",
                              "meta-llama/Llama-3.1-8B-Instruct"]
     sglang = command_of(sglang_entry(launch_extra=", executable: /opt/sgl/bin/python"))
@@ -271,7 +273,8 @@ def test_kvgate_up_serves_through_vllm_and_sglang_stand_ins_and_restarts_a_kille
 
         prompt = "The capital of France is a city on the river Seine, and it"
         for model, name in (("vllm-model", "v0"), ("sglang-model", "s0")):
-            status, _, reply = http("POST", url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4})
+            body = {"model": model, "prompt": prompt, "max_tokens": 4}
+            status, _, reply = http("POST", url + "/v1/completions", body)
             assert status == 200 and reply["model"] == model and reply["usage"]["completion_tokens"] == 4, reply
             # The server published where kv_events says and the gateway, connecting there, applied it.
             poll(lambda: metric(http("GET", url + "/metrics")[2], "kvgate_kv_event_batches_total", replica=name) >= 1,
@@ -312,7 +315,6 @@ def test_kvgate_up_says_why_a_server_refused_its_command(tmp_path, tiny_dir):
     assert "kvgate: v: " in result.stderr and "serve " in result.stderr  # the command it ran, for a rerun by hand
 
 
-def run_up(config_path):
-    import subprocess
+def run_up(config_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
