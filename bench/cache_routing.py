@@ -19,7 +19,7 @@ arrival order at block granularity. Targets, per workload and kvgate mode: hit r
 sglang-router's and at least 0.9 of the oracle, TTFT p50 and p99 at most sglang-router's,
 max/mean at most 1.3.
 
-    .venv/bin/python -m bench.cache_routing                  # every workload and router, 40 s each: ~15 min
+    .venv/bin/python -m bench.cache_routing                  # every workload and router, 40 s each: ~14 min
     .venv/bin/python -m bench.cache_routing --quick          # 5 s each: ~4 min, machinery only
     .venv/bin/python -m bench.cache_routing --workloads c --trace ../shared/traces/other.jsonl
     .venv/bin/python -m bench.cache_routing --routers precise,sglang --keep-logs /tmp/cr
@@ -233,7 +233,9 @@ def machine_busy_s() -> float:
 
 
 def ok_ttfts(results: list[RequestResult]) -> list[float]:
-    return [r.ttfb_s for r in results if r.status == 200 and not r.error and r.ttfb_s is not None]
+    """Time to first token of the requests that succeeded: the stream's first body byte, or the
+    whole answer's latency when not streaming."""
+    return [r.ttfb_s if r.ttfb_s is not None else r.latency_s for r in results if r.status == 200 and not r.error]
 
 
 def target(name: str, value: float, op: str, goal: float, unit: str = "") -> str:
@@ -318,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sglang_python = sglang_router_python(say=console.print)
         except RouterUnavailable as exc:
-            console.print(f"sglang-router {exc.__class__.__name__}: {exc}\nsglang-router is left out: "
-                          f"no sglang-router rows, no targets against it")
+            console.print(f"sglang-router unavailable: {exc}\nsglang-router is left out: no sglang-router rows, "
+                          f"no targets against it")
             routers.remove("sglang")
 
     bundle = tiny_bundle()

@@ -58,7 +58,9 @@ def sglang_router_python(say: Callable[[str], None] = print) -> Path:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RouterUnavailable(f"{' '.join(argv[:4])}: {exc}") from None
         if done.returncode != 0:
-            raise RouterUnavailable(f"{' '.join(argv[-3:])} failed: {(done.stderr or done.stdout).strip()[-800:]}")
+            output = (done.stderr or done.stdout).strip().splitlines()
+            errors = [line for line in output if line.startswith("ERROR")] or output[-5:]
+            raise RouterUnavailable(f"{' '.join(argv[2:4])} {argv[-1]} failed: {' '.join(errors)[:800]}")
     version = _installed_version(python)
     if version != SGLANG_ROUTER_VERSION:
         raise RouterUnavailable(f"installed sglang-router reports version {version!r}, wanted {SGLANG_ROUTER_VERSION}")

@@ -116,3 +116,25 @@ def test_session_header_and_user_field_keep_a_session_on_one_replica(tmp_path):
         # Without a session, round robin alternates: the sessions above were sticky, not lucky.
         plain = [complete(gateway, [5, 6, 7], f"p-{i}")["replica"] for i in range(2)]
         assert plain[0] != plain[1]
+
+
+def test_the_bench_targets_sglang_router_only_when_it_ran():
+    """bench.cache_routing's verdicts: a kvgate mode is held to sglang-router's figures when
+    sglang-router ran, and to the oracle and balance always; no goal is dropped or softened."""
+    from bench.cache_routing import RunResult, workload_targets
+
+    def run(router, hit, ttfts_ms, served):
+        return RunResult(router, hit, served, [t / 1000 for t in ttfts_ms], 0, 40.0, 1.0, 0.5)
+
+    runs = {"precise": run("precise", 0.60, [20, 30, 200], [100, 100, 100, 130]),
+            "sglang": run("sglang", 0.62, [25, 25, 150], [400, 10, 10, 10])}
+    lines = workload_targets("chat", runs, oracle_hit=0.64)
+    assert lines == [
+        "target chat_precise_hit_rate_vs_sglang: 0.6 (goal >= 0.62) short",
+        "target chat_precise_hit_vs_oracle: 0.938 (goal >= 0.9) met",
+        "target chat_precise_ttft_p50_ms: 30 (goal <= 25) short",
+        "target chat_precise_ttft_p99_ms: 200 (goal <= 150) short",
+        "target chat_precise_max_over_mean: 1.21 (goal <= 1.3) met",
+    ]
+    without = workload_targets("chat", {"precise": runs["precise"]}, oracle_hit=0.64)
+    assert without == [lines[1], lines[4]]
