@@ -35,10 +35,12 @@ class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     balance_factor: Factor = 1.25    # a replica over factor x mean in-flight (+ slack) gets no new request
     balance_slack: NonNegative = 0.0  # ... when it already runs this prefix (a hot prefix spreads out)
     follow_slack: NonNegative = 2.0  # extra room for a replica that only holds the prefix in its cache
+    follow_abs_slack: NonNegative = 2.0  # ... which may always be this many requests above the least loaded
+    #                                     (at a mean load of 0.5, a factor of it says little)
     min_match_blocks: Annotated[int, Meta(ge=0)] = 1   # shorter matches count as no match
-    # A cached prefix steers the choice only when it covers at least this fraction of the prompt
-    # (SGLang's cache_threshold idea): a system prompt in front of a new conversation does not
-    # pull every conversation to the replica that cached it first; a conversation's history does.
+    # A cached prefix that many requests share (where they branch off: a system prompt) steers the
+    # choice only when it covers at least this fraction of the prompt: a new conversation behind a
+    # shared system prompt does not follow the replica that cached it first; its own history does.
     follow_min_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.5
     learn_from_routing: bool = True  # approximate mode: a routed prompt is assumed cached there
 

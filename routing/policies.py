@@ -118,6 +118,8 @@ class ConsistentHash:
         """Learns nothing from its own routing."""
 
 
+BRANCH_SHARED = 2             # requests branching off after a block that make it a shared prefix
+BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
 
@@ -181,16 +183,21 @@ class CacheAware:
     more requests, unless it is already running a request that shares half of those m blocks: following
     a cache piles up only when the same prefix arrives faster than one replica serves it (that
     prefix is hot and gets the strict bound); a cold prefix sent away from its cache is a miss
-    there and a duplicate of its prefix evicting someone else's. "The same prefix" is judged at
+    there and a duplicate of its prefix evicting someone else's. Such a replica may also always be
+    `follow_abs_slack` requests above the least loaded (at a mean load of 0.5 a factor says
+    little; the score's queueing term still weighs those requests). "The same prefix" is judged at
     the depth the prompt would follow, not by its first block: behind a system prompt that every
     request shares, a conversation's next turn follows its own history, and new conversations
     that share only the system prompt spread. The least loaded are always allowed.
 
-    A match steers only when the best one covers `follow_min_fraction` of the prompt; below that
-    the request is new content (a new conversation behind a shared system prompt), scored as if
-    nothing were cached, so it goes where load and cache room say (SGLang's cache_threshold does
-    the same; their "smallest tree" is our emptiest cache), and the shared prefix spreads to
-    every replica once instead of pulling every conversation to the first replica that cached it.
+    A match that ends where other routed prompts branched off too (a shared prefix: the system
+    prompt every conversation starts with) steers only when it covers `follow_min_fraction` of
+    the prompt; below that the request is new content (a new conversation), scored as if nothing
+    were cached, so it goes where load and cache room say (SGLang's cache_threshold does the same
+    for every match; their "smallest tree" is our emptiest cache), and the shared prefix spreads
+    to every replica once instead of pulling every conversation to the first replica that cached
+    it. A match that ends in a request's own history (a conversation's or an agent's earlier
+    turns) always steers, however small a part of the prompt it is.
 
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to the replica whose cache is emptiest (fewest blocks in the table for its
@@ -207,7 +214,7 @@ class CacheAware:
     def __init__(self, state: RoutingState, prefill_weight: float = 1.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
                  min_match_blocks: int = 1, learn_from_routing: bool = True,
-                 follow_min_fraction: float = 0.5) -> None:
+                 follow_min_fraction: float = 0.5, follow_abs_slack: float = 2.0) -> None:
         self.state = state
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
@@ -216,6 +223,10 @@ class CacheAware:
         self.follow_slack = max(follow_slack, balance_slack)
         self.min_match_blocks = min_match_blocks
         self.follow_min_fraction = follow_min_fraction
+        self.follow_abs_slack = follow_abs_slack
+        # Where routed prompts' deepest matches ended (block hash -> how many): a block many
+        # different requests branch off after is a shared prefix (a system prompt), not a history.
+        self._branch_points: OrderedDict[int, int] = OrderedDict()
         self.learn_from_routing = learn_from_routing  # approximate mode: a routed prompt is assumed cached there
         self._name_hash: dict[str, int] = {}
         self._turn = 0  # rank rotation for prompts shorter than a block (no block of their own)
@@ -233,21 +244,25 @@ class CacheAware:
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1
-        if max(matched) * block < self.follow_min_fraction * prompt_tokens:
-            # What is cached anywhere is a small part of this prompt (a shared system prompt in front
-            # of a new conversation): it does not steer; load and cache room decide (see the class doc).
+        deepest = max(matched)
+        if deepest and deepest * block < self.follow_min_fraction * prompt_tokens \
+                and self._branch_points.get(int(hashes[deepest - 1]), 0) >= BRANCH_SHARED:
+            # All that is cached is a prefix other requests branch off too (a shared system prompt
+            # in front of a new conversation), and a small part of this prompt: it does not steer;
+            # load and cache room decide (see the class doc).
             min_match = n_blocks + 1
         per_token_s = self.prefill_weight / tracker.model.prefill_tokens_per_s
         queue_weight = self.queue_weight
         # Balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1).
         mean_after = (sum(loads) + 1) / len(loads)
+        least = min(loads)
         strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
-        follow_cap = self.balance_factor * mean_after + self.follow_slack - 1
+        follow_cap = max(self.balance_factor * mean_after + self.follow_slack - 1, least + self.follow_abs_slack)
         # Scores in one comprehension (~0.3 us a candidate); the guard's per-candidate test only
         # when it binds (some candidate over the bound and not among the least loaded).
         scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
                   + queue_weight * delay for blocks, delay in zip(matched, delays)]
-        bound = max(strict_cap, min(loads))  # the least loaded are always allowed
+        bound = max(strict_cap, least)  # the least loaded are always allowed
         if max(loads) <= bound:
             allowed = range(len(loads))
             best_score = min(scores)
@@ -305,8 +320,17 @@ class CacheAware:
         return h
 
     def commit(self, decision: CacheAwareDecision) -> None:
-        """Approximate mode: the chosen replica will hold the prompt's blocks (a guess, corrected
-        by the cached tokens it reports). Called after `choose`, off the decision path."""
+        """What the policy learns from its own routing, off the decision path: where this prompt's
+        match ended (branch points), and in approximate mode that the chosen replica will hold the
+        prompt's blocks (a guess, corrected by the cached tokens it reports)."""
+        deepest = max(decision._matched) if decision._matched else 0
+        if deepest:
+            points = self._branch_points
+            key = int(decision.hashes[deepest - 1])
+            points[key] = points.get(key, 0) + 1
+            points.move_to_end(key)
+            if len(points) > BRANCH_POINTS_KEPT:
+                points.popitem(last=False)
         if self.learn_from_routing and len(decision.hashes) and decision.replica in decision.table.replicas():
             decision.table.insert(decision.replica, decision.hashes, guessed=True, now=self.state.clock())
 

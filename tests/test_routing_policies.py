@@ -250,3 +250,23 @@ def test_a_shared_system_prompt_neither_piles_conversations_nor_scatters_their_t
     assert followed >= 0.9 * later, (followed, later)
     rr_counts, rr_followed, _ = _chat_traffic("round_robin")
     assert rr_followed < 0.5 * later  # the baseline scatters turns: the test can tell the difference
+
+
+def test_an_agents_own_history_steers_however_small_but_a_shared_prefix_does_not():
+    """A match that ends in the request's own history (an agent's earlier steps) steers even when
+    the new tool output makes it under follow_min_fraction of the prompt; a match that ends where
+    other requests branched off too (a shared system prompt) does not, below that fraction."""
+    state = _state(REPLICAS)
+    policy = make_policy("cache_aware", {}, state)
+    system = list(range(9000, 9000 + 16 * 16))
+    for n in range(3):  # conversations behind one system prompt, all on r0: its end is a branch point
+        attempt = _route(policy, state, ["r0"], _request(system + [n * 100 + i for i in range(400)]))
+        attempt.first_token()
+        attempt.finish(None, precise=False)
+    newcomer = policy.choose(REPLICAS, _request(system + [5000 + i for i in range(600)]))
+    assert newcomer.replica != "r0", newcomer.as_log()  # the system prompt alone does not pull it to r0
+    agent = system + [7000 + i for i in range(5 * 16)]
+    state.table("m").insert("r3", block_hashes(agent), guessed=False, now=0)  # its earlier step ran on r3
+    step = agent + [8000 + i for i in range(25 * 16)]  # a long tool output: 21 of 46 blocks cached
+    decision = policy.choose(REPLICAS, _request(step))
+    assert decision.replica == "r3" and decision.matched_blocks["r3"] == 21, decision.as_log()
