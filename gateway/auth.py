@@ -12,9 +12,9 @@ Tenants. Every key belongs to a tenant (its own name unless `tenant:` groups key
 sets the tenant's `cache_salt` on each request before routing: in the block hashes the router
 matches and in the body the replica gets, so two tenants never share a cached prefix (a shared
 one would tell a tenant, through its time to first token, what another one sent). A client's
-own `cache_salt` and `kv_transfer_params` (which can name a remote KV host to a vLLM P/D replica)
-are dropped unless its key is allowed them. With no keys configured (a loopback host, or
-`auth: none`) requests pass as sent.
+own `cache_salt` and `kv_transfer_params` (which can name a remote KV host to a vLLM P/D replica;
+SGLang's `bootstrap_host/port/room` likewise) are dropped unless its key is allowed them. With no
+keys configured (a loopback host, or `auth: none`) requests pass as sent.
 
 Per key: the models it may use, requests/min and tokens/min (gateway/ratelimit.py says when
 tokens count), a prompt-token limit and a max_tokens cap."""
@@ -36,6 +36,8 @@ from protocol.requests import AnyRequest, ChatCompletionRequest, requested_max_t
 KEY_PREFIX = "kvg-"
 ADMIN_PREFIX = "kvgadm-"
 GRANT = "kvgate.grant"  # request state: the caller's Grant
+# Fields that tell a P/D replica where to move KV blocks from or to: vLLM's, and SGLang's bootstrap.
+KV_TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvgate"'}
 
 
@@ -109,7 +111,8 @@ class Grant:
             if not (key.spec.allow_cache_salt and parsed.cache_salt is not None):
                 parsed.cache_salt = raw["cache_salt"] = key.cache_salt
             if not key.spec.allow_kv_transfer_params:
-                raw.pop("kv_transfer_params", None)
+                for name in KV_TRANSFER_FIELDS:
+                    raw.pop(name, None)
             if key.spec.max_tokens is not None:
                 _cap_max_tokens(parsed, raw, key.spec.max_tokens)
         prompt_tokens = record.prompt_tokens or 0

@@ -90,7 +90,6 @@ class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 Sha256Hex = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
-Bytes = Annotated[int, Meta(ge=1024)]
 
 
 class ApiKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -105,7 +104,7 @@ class ApiKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_prompt_tokens: PositiveInt | None = None
     max_tokens: PositiveInt | None = None          # output cap: asked for more (or nothing) -> this
     allow_cache_salt: bool = False                 # its own `cache_salt` is kept (else the tenant's)
-    allow_kv_transfer_params: bool = False         # its `kv_transfer_params` are forwarded (else dropped)
+    allow_kv_transfer_params: bool = False         # its kv_transfer_params / bootstrap_* are forwarded (else dropped)
 
     @property
     def tenant_name(self) -> str:

@@ -86,7 +86,8 @@ def test_a_key_sets_its_tenants_salt_drops_what_it_may_not_send_and_caps_max_tok
                      f"    - {{name: t, sha256: '{sha('t')}', allow_cache_salt: true, allow_kv_transfer_params: true}}\n")
     gate = Gate(config)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100,
-            "cache_salt": tenant_salt("other"), "kv_transfer_params": {"remote_host": "10.0.0.1"}}
+            "cache_salt": tenant_salt("other"), "kv_transfer_params": {"remote_host": "10.0.0.1"},
+            "bootstrap_host": "10.0.0.2", "bootstrap_room": 7}
     for name, salt, kv, cap in (("a", tenant_salt("team"), None, 8), ("t", tenant_salt("other"), body["kv_transfer_params"], 100)):
         key = next(k for k in gate.keys if k.name == name)
         raw = json.loads(json.dumps(body))
@@ -95,6 +96,7 @@ def test_a_key_sets_its_tenants_salt_drops_what_it_may_not_send_and_caps_max_tok
         Grant(key, config.limits).admit(parsed, raw, record)
         assert parsed.cache_salt == raw["cache_salt"] == salt
         assert raw.get("kv_transfer_params") == kv
+        assert raw.get("bootstrap_host") == (None if kv is None else "10.0.0.2")
         assert parsed.max_completion_tokens == raw["max_completion_tokens"] == cap
         assert (record.key, record.tenant) == (name, "team" if name == "a" else "t")
     key = gate.keys[0]
