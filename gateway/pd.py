@@ -57,9 +57,11 @@ class DecodeLeg:
     payload: bytes
     prefill_task: asyncio.Task | None = None  # sglang: the prefill server's request, read and dropped
 
-    async def close(self) -> None:
+    async def close(self, answered: bool) -> None:
+        """After the decode try: a prefill leg still running is left to finish (bounded by the
+        request's deadline) when the answer came, and cancelled when it did not."""
         task = self.prefill_task
-        if task is not None and not task.done():
+        if task is not None and not task.done() and not answered:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
@@ -173,12 +175,13 @@ class PrefillDecode:
 
         async def prefill_leg() -> None:  # read to its end and dropped, as SGLang's router does
             try:
-                async with self.pool.session.post(prefill.base_url + endpoint, data=payload,
-                                                  headers={"content-type": "application/json"}) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        log.warning("prefill_leg_failed", replica=prefill.name, status=resp.status)
-            except aiohttp.ClientError as exc:
+                async with timeout_at(plan.deadline):
+                    async with self.pool.session.post(prefill.base_url + endpoint, data=payload,
+                                                      headers={"content-type": "application/json"}) as resp:
+                        await resp.read()
+                        if resp.status != 200:
+                            log.warning("prefill_leg_failed", replica=prefill.name, status=resp.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("prefill_leg_failed", replica=prefill.name, reason=f"{type(exc).__name__}: {exc}")
         return DecodeLeg(payload, asyncio.get_running_loop().create_task(prefill_leg()))
 

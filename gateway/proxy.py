@@ -259,7 +259,7 @@ class Proxy:
                     attempt.cached_tokens = record.cached_tokens
                     self._signal_room()
                     if leg is not None:
-                        await leg.close()
+                        await leg.close(answered=answer.complete)
                     if answer.kv_stats:
                         self._take_kv_stats(record, answer)
             failed.append(replica.name)

@@ -18,7 +18,14 @@ It publishes a BlockStored batch (vLLM's shape) for the full blocks of each prom
 
 Each start appends one JSON line to $FAKE_ENGINE_RECORD: the argv, the engine's environment
 variables, its pid and the pid of a child it starts (like vLLM's engine core), which it stops on
-SIGTERM and leaves behind on SIGKILL. It never serves /kvgate/tokenizer (real engines don't)."""
+SIGTERM and leaves behind on SIGKILL. It never serves /kvgate/tokenizer (real engines don't).
+
+P/D, as far as the router sees it: each generation request's JSON body is appended to
+$FAKE_ENGINE_REQUESTS; a vLLM kv_producer answers a `do_remote_decode` request with the
+`kv_transfer_params` NixlConnector returns (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+connector.py request_finished: do_remote_prefill, remote_engine_id, remote_block_ids, remote_host,
+remote_port, remote_request_id, tp_size); a kv_consumer or an SGLang server just records what it got
+(kv_transfer_params, bootstrap_host/port/room) so the test can check the pairing."""
 from __future__ import annotations
 
 import argparse
@@ -270,11 +277,41 @@ def serve(engine: str, args, model_dir: str, served: str, block_size: int, host:
         return await handler(request)
 
     app.middlewares.append(engine_routes)
+    app.middlewares.append(_pd_middleware(engine, args, host))
     try:
         asyncio.run(serve_app(app, host, args.port))
     finally:
         if publisher is not None:
             publisher.close()
+
+
+def _pd_middleware(engine: str, args, host: str):
+    """Records generation requests; a vLLM kv_producer answers a prefill leg with its params."""
+    from aiohttp import web
+    producer = engine == "vllm" and (args.kv_transfer_config or {}).get("kv_role") == "kv_producer"
+    side_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    requests_file = os.environ.get("FAKE_ENGINE_REQUESTS")
+    counter = iter(range(1, 1 << 30))
+
+    @web.middleware
+    async def pd(request, handler):
+        if request.method != "POST" or not request.path.startswith("/v1/"):
+            return await handler(request)
+        body = json.loads(await request.read())
+        if requests_file:
+            with open(requests_file, "a") as out:
+                out.write(json.dumps({"path": request.path, "body": body}) + "\n")
+        response = await handler(request)
+        params = body.get("kv_transfer_params") or {}
+        if producer and params.get("do_remote_decode") and isinstance(response, web.Response):
+            answer = json.loads(response.body)
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"fake-{os.getpid()}",
+                "remote_block_ids": [[1, 2, 3]], "remote_host": host, "remote_port": side_port,
+                "remote_request_id": f"fake-req-{next(counter)}", "tp_size": 1}
+            return web.json_response(answer)
+        return response
+    return pd
 
 
 def stored_event(token_ids: list[int], block_size: int):

@@ -128,3 +128,68 @@ def test_a_dead_prefill_pool_falls_back_and_a_decode_death_mid_stream_resumes(tm
         resumed = [f for r in records for f in r.get("failover") or [] if f["replica"] == killed[0]]
         assert resumed and all(f.get("resumed_on") for f in resumed)  # its streams went on elsewhere
         assert any((r["pd"] or {}).get("fallback") for r in records[3:])  # no prefill replica left: decode prefilled
+
+
+def test_the_gateway_speaks_vllm_and_sglang_pd_protocols_to_stand_ins(tmp_path):
+    """vLLM and SGLang P/D pairs launched by `kvgate up` (tests/fake_engine.py plays each engine's
+    side of the protocol): a vLLM pair gets the two legs with the prefill answer's
+    kv_transfer_params passed on; an SGLang pair gets the same body on both servers with one
+    bootstrap room pointing at the prefill server's bootstrap port."""
+    import sys
+
+    from replica.tiny import tiny_checkpoint_dir
+    from tests.servers import run_process
+    from tests.test_engine_launch import FAKE, records
+
+    tiny = tiny_checkpoint_dir()
+    port, bootstrap = free_port(), free_port()
+    seen = {name: tmp_path / f"{name}.requests.jsonl" for name in ("vp", "vd", "sp", "sd")}
+
+    def entry(name, engine, role, model, extra="", env=""):
+        return (f"  - name: {name}\n    url: http://127.0.0.1:{free_port()}\n    model: {model}\n"
+                f"    engine: {engine}\n    role: {role}\n    tokenizer: {tiny}\n{extra}"
+                f"    launch:\n      model: {tiny}\n      executable: '{FAKE}'\n"
+                f"      env: {{FAKE_ENGINE_REQUESTS: '{seen[name]}'{env}}}\n")
+
+    config = tmp_path / "pd-engines.yaml"
+    config.write_text(
+        f"gateway: {{host: 127.0.0.1, port: {port}}}\n" + FAST_HEALTH + "logging: {format: json}\n"
+        "routing: {policy: cache_aware}\nreplicas:\n"
+        + entry("vp", "vllm", "prefill", "vllm-pd", env=f", VLLM_NIXL_SIDE_CHANNEL_PORT: '{free_port()}'")
+        + entry("vd", "vllm", "decode", "vllm-pd", env=f", VLLM_NIXL_SIDE_CHANNEL_PORT: '{free_port()}'")
+        + entry("sp", "sglang", "prefill", "sglang-pd", extra=f"    bootstrap_port: {bootstrap}\n")
+        + entry("sd", "sglang", "decode", "sglang-pd"))
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config)]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up",
+                     startup_timeout_s=120) as server:
+        poll(lambda: all(e["state"] == "healthy" and e["ready"] for e in
+                         http("GET", server.url + "/admin/replicas")[2]["replicas"]), "stand-ins ready", server)
+        gateway = Gateway(server, [])
+        for model in ("vllm-pd", "sglang-pd"):
+            for streamed in (False, True):
+                request_id = f"{model}-{streamed}"
+                body = {"model": model, "prompt": f"Question {streamed}: the capital of France is", "max_tokens": 4}
+                if streamed:
+                    assert stream(server.url, "/v1/completions", body, request_id)["error"] is None
+                else:
+                    assert answer(server.url, "/v1/completions", body, request_id)["text"]
+                assert gateway.record(request_id)["pd"]["prefill"] in ("vp", "sp")
+
+        prefill_legs, decode_legs = ([r["body"] for r in records(seen[name])] for name in ("vp", "vd"))
+        assert len(prefill_legs) == len(decode_legs) == 2
+        for leg in prefill_legs:  # vLLM's prefill leg, as its toy proxy sends it
+            assert leg["max_tokens"] == 1 and leg["stream"] is False and "stream_options" not in leg
+            assert leg["kv_transfer_params"]["do_remote_decode"] is True
+        for leg, number in zip(decode_legs, (1, 2)):
+            params = leg["kv_transfer_params"]  # what the prefill answered, passed on whole
+            assert params["do_remote_prefill"] is True and params["remote_request_id"] == f"fake-req-{number}"
+            assert params["remote_block_ids"] == [[1, 2, 3]] and leg["max_tokens"] == 4
+        # SGLang's prefill leg runs beside the decode leg and may land a moment after the answer.
+        poll(lambda: len(records(seen["sp"])) == 2, "both SGLang prefill legs", server)
+        sglang_prefill, sglang_decode = ([r["body"] for r in records(seen[name])] for name in ("sp", "sd"))
+        assert len(sglang_prefill) == len(sglang_decode) == 2
+        for p_leg, d_leg in zip(sglang_prefill, sglang_decode):
+            assert p_leg == d_leg  # SGLang: the same request to both, at once
+            assert (p_leg["bootstrap_host"], p_leg["bootstrap_port"]) == ("127.0.0.1", bootstrap)
+            assert 0 <= p_leg["bootstrap_room"] < 2**63
+        assert sglang_prefill[0]["bootstrap_room"] != sglang_prefill[1]["bootstrap_room"]
