@@ -151,6 +151,7 @@ def _refuse(log, message: str) -> int:
 async def _serve(args, loaded, defaults, log) -> int:
     from aiohttp import web
 
+    from protocol.http import OpenAIErrorsSite
     from replica.engine import Engine
     from replica.server import ReplicaServer
 
@@ -203,7 +204,7 @@ async def _serve(args, loaded, defaults, log) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, args.host, args.port)
+        site = OpenAIErrorsSite(runner, args.host, args.port)  # parser refusals in OpenAI's shape too
         await site.start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"

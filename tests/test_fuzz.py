@@ -349,9 +349,8 @@ def test_hostile_input_gets_a_4xx_in_openais_shape_and_the_server_holds(servers,
     assert warm[0] == 200, (warm, server.logs()[-3000:])
     before = _memory_mb(server.proc.pid)
     sender = Sender(server.port)
-    # The gateway renders even aiohttp's parser refusals in OpenAI's shape; the replica's own site
-    # does not (yet): for those raw cases it is held to a 4xx and staying up.
-    strict_raw = target == "gateway"
+    # Both servers render even aiohttp's parser refusals in OpenAI's shape (protocol.http.OpenAIErrorsSite).
+    strict_raw = True
     problems, answers = [], collections.Counter()
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         for case, outcome in zip(cases, pool.map(lambda c: _try(sender, c), cases)):
