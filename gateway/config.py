@@ -142,8 +142,11 @@ class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 class PDSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Prefill/decode pools (replicas with `role: prefill | decode`)."""
-    # No prefill leg when the chosen decode replica already caches this much of the prompt.
+    # No prefill leg when the chosen decode replica already caches this much of the prompt ...
     skip_prefill_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.8
+    # ... or when what it lacks is shorter than this (a short prompt costs the decode replica less
+    # than its wait behind long prompts in the prefill pool; llm-d's selective disaggregation).
+    min_prefill_tokens: Annotated[int, Meta(ge=0)] = 256
 
 
 class RoutingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -3,8 +3,9 @@
 The try's replica is a decode replica, chosen by the routing policy among the decode pool (load,
 and its own prefix cache). Then:
 
-  skip       it already holds `pd.skip_prefill_fraction` of the prompt: it prefills the rest
-             itself, no prefill leg (as llm-d and vllm-router do)
+  skip       it already holds `pd.skip_prefill_fraction` of the prompt, or lacks fewer than
+             `pd.min_prefill_tokens`: it prefills the rest itself, no prefill leg (as llm-d and
+             vllm-router do)
   kvgate /   a prefill leg first, to a prefill replica the policy chooses among the prefill pool
   vllm       (prefix affinity): the client's body with max_tokens=1, stream=false and
              kv_transfer_params={do_remote_decode: true}; its answer's kv_transfer_params go
@@ -87,11 +88,12 @@ class PrefillDecode:
         prompt_tokens = len(plan.prompt_ids)
         entry = state.record
         entry.update(decode=decode.name)
-        skip = self.pool.config.routing.pd.skip_prefill_fraction
+        pd = self.pool.config.routing.pd
         if state.local_prefill:
             entry.update(prefill=None, fallback="decode replica prefills")
             return DecodeLeg(plan.payload)
-        if prompt_tokens and matched_tokens >= skip * prompt_tokens:
+        if matched_tokens >= pd.skip_prefill_fraction * prompt_tokens \
+                or prompt_tokens - matched_tokens < pd.min_prefill_tokens:
             entry.update(prefill=None, skipped_prefill=True, decode_cached_tokens=matched_tokens)
             self.metrics.pd_requests.labels(path="skipped_prefill").inc()
             return DecodeLeg(plan.payload)

@@ -20,7 +20,8 @@ from tests.test_gateway import Gateway, http, metric
 
 
 @contextlib.contextmanager
-def pd_cluster(tmp_path, prefills: int = 1, decodes: int = 1, extra_routing: str = ""):
+def pd_cluster(tmp_path, prefills: int = 1, decodes: int = 1,
+               extra_routing: str = "  pd: {min_prefill_tokens: 0}\n"):
     with contextlib.ExitStack() as stack:
         mixed = stack.enter_context(run_replica("tiny"))
         replicas = {f"p{i}": stack.enter_context(run_replica("tiny", extra_args=["--role", "prefill"]))
@@ -82,7 +83,7 @@ def test_a_shared_prefix_pulls_only_the_blocks_the_decode_replica_lacks(pd):
 
 
 def test_the_prefill_leg_is_skipped_when_the_decode_replica_holds_the_prompt(tmp_path):
-    with pd_cluster(tmp_path, extra_routing="  pd: {skip_prefill_fraction: 0.5}\n") as cluster:
+    with pd_cluster(tmp_path, extra_routing="  pd: {skip_prefill_fraction: 0.5, min_prefill_tokens: 64}\n") as cluster:
         prompt = list(range(50, 50 + 12 * 16))
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         answer(cluster.url, "/v1/completions", body, "skip-1")
@@ -91,6 +92,10 @@ def test_the_prefill_leg_is_skipped_when_the_decode_replica_holds_the_prompt(tmp
         answer(cluster.url, "/v1/completions", {**body, "prompt": prompt + [3] * 20}, "skip-2")
         record = cluster.record("skip-2")["pd"]
         assert record.get("skipped_prefill") is True and record["prefill"] is None
+        # A short prompt is prefilled by the decode replica: less than its wait in the prefill pool.
+        answer(cluster.url, "/v1/completions", {**body, "prompt": list(range(400, 450))}, "skip-short")
+        record = cluster.record("skip-short")["pd"]
+        assert record.get("skipped_prefill") is True and record["decode_cached_tokens"] == 0
 
 
 def test_a_dead_prefill_pool_falls_back_and_a_decode_death_mid_stream_resumes(tmp_path):
@@ -154,7 +159,7 @@ def test_the_gateway_speaks_vllm_and_sglang_pd_protocols_to_stand_ins(tmp_path):
     config = tmp_path / "pd-engines.yaml"
     config.write_text(
         f"gateway: {{host: 127.0.0.1, port: {port}}}\n" + FAST_HEALTH + "logging: {format: json}\n"
-        "routing: {policy: cache_aware}\nreplicas:\n"
+        "routing: {policy: cache_aware, pd: {min_prefill_tokens: 0}}\nreplicas:\n"
         + entry("vp", "vllm", "prefill", "vllm-pd", env=f", VLLM_NIXL_SIDE_CHANNEL_PORT: '{free_port()}'")
         + entry("vd", "vllm", "decode", "vllm-pd", env=f", VLLM_NIXL_SIDE_CHANNEL_PORT: '{free_port()}'")
         + entry("sp", "sglang", "prefill", "sglang-pd", extra=f"    bootstrap_port: {bootstrap}\n")
