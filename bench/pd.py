@@ -12,7 +12,7 @@ between streamed events), TTFT p50/p99 of every request, and for P/D the KV move
 (bytes / seconds the decode replica spent pulling) next to this machine's memory copy bandwidth.
 
     .venv/bin/python -m bench.pd                      # SmolLM2, ~4 min
-    .venv/bin/python -m bench.pd --model tiny --long-tokens 1500   # quick check of the machinery
+    .venv/bin/python -m bench.pd --model tiny --duration-s 20      # quick check of the machinery
 
 Targets: `pd_itl_p99_vs_mixed` <= 0.5 and `pd_ttft_p99_vs_mixed` <= 1.2.
 """
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--decoders", type=int, default=3, help="streams decoding at any time")
     parser.add_argument("--decode-tokens", type=int, default=120)
-    parser.add_argument("--long-tokens", type=int, default=1500)
-    parser.add_argument("--long-every-s", type=float, default=6.0)
+    parser.add_argument("--long-tokens", type=int, default=800)
+    parser.add_argument("--long-every-s", type=float, default=8.0)
     parser.add_argument("--keep", default=None, help="keep configs and logs in this directory")
     args = parser.parse_args(argv)
     from rich.console import Console
