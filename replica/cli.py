@@ -224,7 +224,7 @@ async def _serve(args, loaded, defaults, log) -> int:
             log.info("replica_stopping")
     finally:
         await runner.cleanup()
-        engine.shutdown()
+        engine.shutdown(timeout_s=1.0 if engine.health_problem() else 10.0)  # a hung worker never joins
         if kv_events is not None:
             kv_events.close()
         # See gateway/server.py: join executor threads before uvloop closes the loop.
