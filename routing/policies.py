@@ -376,7 +376,10 @@ class SessionAffinity:
                                getattr(decision, "predicted_cached_tokens", 0), decision)
 
     def commit(self, decision: RoutingDecision) -> None:
-        """The fallback's commit, for a decision the fallback made."""
-        if decision.inner is not None:
+        """The fallback's commit, for a decision the fallback made: wrapped in a session's decision,
+        or its own, returned as is for a request without a session key."""
+        if getattr(decision, "policy", None) != self.name:
+            self.fallback.commit(decision)
+        elif decision.inner is not None:
             self.fallback.commit(decision.inner)
 
