@@ -118,6 +118,9 @@ class ConsistentHash:
         """Learns nothing from its own routing."""
 
 
+# Caches whose fills differ by less than this tie: a replica a little emptier than the others (its
+# KV events a moment behind, a capacity not learned yet) must not take every new prefix.
+FILL_TOLERANCE = 0.05
 BRANCH_SHARED = 2             # requests branching off after a block that make it a shared prefix
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
@@ -200,8 +203,8 @@ class CacheAware:
     turns) always steers, however small a part of the prompt it is.
 
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
-    loaded, then to the replica whose cache is emptiest (fewest blocks in the table for its
-    capacity), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
+    capacity, by more than FILL_TOLERANCE), then by rendezvous hash of the prompt's first block that no replica holds (its own
     content: a new conversation's first message, not the shared system prompt), never by config
     order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
@@ -300,8 +303,8 @@ class CacheAware:
         names = candidates if everyone else [candidates[i] for i in tied]
         values = table.fills(names)
         low = min(values)
-        if max(values) != low:
-            tied = [i for i, fill in zip(tied, values) if fill == low]
+        if max(values) > low + FILL_TOLERANCE:  # a clearly emptier cache; small differences are noise
+            tied = [i for i, fill in zip(tied, values) if fill <= low + FILL_TOLERANCE]
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
             names = [candidates[i] for i in tied]

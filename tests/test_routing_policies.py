@@ -112,11 +112,15 @@ def test_hot_prefix_never_piles_onto_one_replica():
     assert piled_while_idle == 0
 
 
-def test_new_prefixes_on_idle_replicas_spread_out_instead_of_piling_onto_the_first():
+@pytest.mark.parametrize("capacity_blocks", [1000, 100_000])
+def test_new_prefixes_on_idle_replicas_spread_out_instead_of_piling_onto_the_first(capacity_blocks):
     """Each request starts a prefix nobody holds and every replica is idle when it arrives: the
-    choice is a tie. Config order would send all of them to r0; the emptiest cache (then a hash
-    of the first block) spreads them evenly, so each replica's share of prefixes fits its cache."""
-    state = _state(REPLICAS)
+    choice is a tie. Config order would send all of them to r0; a clearly emptier cache (then a
+    hash of the prompt's first block) spreads them: where a prefix is a large part of a cache,
+    evenly (each replica's share of prefixes fits its cache), else about evenly."""
+    state = RoutingState(clock=Clock())
+    for name in REPLICAS:
+        state.add_replica(name, "m", capacity_blocks)
     policy = make_policy("cache_aware", {}, state)
     counts = {r: 0 for r in REPLICAS}
     for group in range(32):
@@ -126,7 +130,10 @@ def test_new_prefixes_on_idle_replicas_spread_out_instead_of_piling_onto_the_fir
         decision = attempt.decision
         assert decision.matched_blocks == {r: 0 for r in REPLICAS}
         counts[decision.replica] += 1
-    assert counts == {r: 8 for r in REPLICAS}, counts
+    if capacity_blocks == 1000:  # 68 blocks a prefix: 6.8% of a cache, past the fill tolerance
+        assert counts == {r: 8 for r in REPLICAS}, counts
+    else:
+        assert 4 <= min(counts.values()) and max(counts.values()) <= 12, counts
 
 
 def test_new_prefix_ties_break_by_prefix_hash_not_config_order():
