@@ -82,9 +82,9 @@ def _key_line(path: str | Path, key: list) -> int:
     return _line_of(yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader), key)
 
 
-def _start_logging(config) -> bool:
-    """structlog as the config says, plus the JSON log file if it names one; False (after saying
-    why) if that file cannot be opened."""
+def _start_logging(config):
+    """structlog as the config says, plus the JSON log file if it names one: (True, the LogFile
+    or None); (False, None) after saying why that file cannot be opened."""
     from observability.logs import LogFile, configure_logging
     log_file = None
     path = config.logging.file_path()
@@ -94,10 +94,10 @@ def _start_logging(config) -> bool:
                                keep=config.logging.file_keep)
         except OSError as exc:
             print(f"error: logging.file: cannot open {path}: {exc.strerror or exc}", file=sys.stderr)
-            return False
+            return False, None
         print(f"kvgate: JSON log in {path} (follow it with: kvgate tail {path})", file=sys.stderr, flush=True)
     configure_logging(config.logging.level, config.logging.format, log_file=log_file)
-    return True
+    return True, log_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +136,13 @@ def _serve(path: str) -> int:
     if isinstance(config, int):
         return config
     from gateway.server import print_ready, run
-    if not _start_logging(config):
+    started, log_file = _start_logging(config)
+    if not started:
         return EXIT_BAD_CONFIG
+    if config.gateway.workers > 1:
+        from gateway.workers import run_workers  # this process supervises; the workers serve
+        return run_workers(config, path, admin_token=_admin_token(), log_file=log_file,
+                           on_ready=print_ready(config))
     return run(config, on_ready=print_ready(config), config_path=path, admin_token=_admin_token())
 
 
@@ -152,7 +157,8 @@ def _up(path: str | Path, startup_timeout_s: float | None) -> int:
         return config
     from gateway.launcher import LaunchError, Launcher
     from gateway.server import print_ready, run
-    if not _start_logging(config):
+    started, log_file = _start_logging(config)
+    if not started:
         return EXIT_BAD_CONFIG
     launcher = Launcher(config)
 
@@ -164,6 +170,9 @@ def _up(path: str | Path, startup_timeout_s: float | None) -> int:
         launcher.start()
         if launcher.replicas:
             _wait_with_progress(launcher, startup_timeout_s)
+        if config.gateway.workers > 1:  # this process keeps the replicas; the workers serve
+            from gateway.workers import run_workers
+            return run_workers(config, str(path), launcher, _admin_token(), log_file, print_ready(config))
         return run(config, on_ready=print_ready(config), config_path=str(path), launcher=launcher,
                    admin_token=_admin_token())
     except LaunchError as exc:

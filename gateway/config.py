@@ -47,6 +47,9 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_timeout_s: PositiveSeconds = 30.0        # longest wait in that queue before a 429
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight requests get this long
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 8 * 1024 * 1024
+    # Gateway processes on the port (SO_REUSEPORT), each with its own event loop; 1: one process
+    # (gateway/workers.py says what they share and how).
+    workers: Annotated[int, Meta(ge=1, le=64)] = 1
 
     def timeouts(self, model: str | None) -> tuple[float, float, float]:
         """(request, ttft, inter_token) timeouts in seconds for a model."""

@@ -50,7 +50,7 @@ class LaunchedReplica:
         return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the replica gets SIGTERM if kvgate itself is killed without cleaning up."""
     try:
         import ctypes
@@ -84,7 +84,7 @@ class Launcher:
                 command.argv, env={**os.environ, **command.env}, stdin=subprocess.DEVNULL, stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches kvgate, which stops replicas in order
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         return LaunchedReplica(spec, proc, log_path, command)
 
     def wait_healthy(self, timeout_s: float | None = None, progress=None) -> None:

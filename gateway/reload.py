@@ -25,14 +25,14 @@ from observability.metrics import GatewayMetrics
 log = structlog.get_logger("kvgate.reload")
 
 POLL_S = 1.0
-# What a reload cannot change, fixed at startup: the listening socket and what its connections
+# What a reload cannot change, fixed at startup: the listening socket(s) and what its connections
 # were built with (aiohttp's body size, header limits and keep-alive), the replica connection
 # pool's connect timeout, the drain on SIGTERM, the logging setup. Every other key is read per
 # request or pushed by `apply` (server.py).
-RESTART_ONLY = ("gateway.host", "gateway.port", "gateway.max_body_bytes", "gateway.connect_timeout_s",
-                "gateway.drain_grace_s", "logging.level", "logging.format", "logging.file",
-                "logging.file_max_mb", "logging.file_keep", "limits.max_headers", "limits.max_header_bytes",
-                "limits.keepalive_timeout_s")
+RESTART_ONLY = ("gateway.host", "gateway.port", "gateway.workers", "gateway.max_body_bytes",
+                "gateway.connect_timeout_s", "gateway.drain_grace_s", "logging.level", "logging.format",
+                "logging.file", "logging.file_max_mb", "logging.file_keep", "limits.max_headers",
+                "limits.max_header_bytes", "limits.keepalive_timeout_s")
 
 
 class ConfigWatcher(BackgroundLoop):

@@ -1,4 +1,9 @@
-"""The gateway's aiohttp application and its lifecycle (uvloop, signals, readiness)."""
+"""The gateway's aiohttp application and its lifecycle (uvloop, signals, readiness).
+
+One process serves by default. With `gateway.workers` > 1 each worker process runs this same app
+on the same port (SO_REUSEPORT), started and supervised by gateway/workers.py, and a WorkerLink
+(gateway/worker_bus.py) keeps it in step with the others: routing decisions and load shared,
+config and drains from the parent, /metrics merged (gateway/worker_metrics.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +26,8 @@ from gateway.router import Router
 from gateway.scraper import Scraper
 from gateway.supervisor import Supervisor
 from gateway.upstream import ReplicaPool
+from gateway.worker_bus import WorkerLink, WorkerSpec
+from gateway.worker_metrics import MetricsSnapshots
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog
 from protocol.errors import NotFound
@@ -30,10 +37,12 @@ log = structlog.get_logger("kvgate.gateway")
 
 
 def build_app(config: Config, config_path: str | None = None, launcher=None,
-              admin_token: str | None = None) -> web.Application:
+              admin_token: str | None = None, worker: WorkerSpec | None = None) -> web.Application:
     """The gateway; with `config_path`, the YAML is watched and hot-reloaded; with `launcher`
     (`kvgate up`), the replicas it started are supervised (restarted when they exit);
-    `admin_token` (the CLI reads KVGATE_ADMIN_TOKEN) opens /admin/* besides the YAML's token."""
+    `admin_token` (the CLI reads KVGATE_ADMIN_TOKEN) opens /admin/* besides the YAML's token.
+    `worker`: this is one of several worker processes (then the parent watches the YAML and
+    supervises the replicas, and neither of the two arguments is given)."""
     metrics = GatewayMetrics()
     pool = ReplicaPool(config, metrics)
     router = Router(config, metrics)
@@ -44,7 +53,8 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
     app = web.Application(middlewares=[openai_errors, door.middleware], client_max_size=config.gateway.max_body_bytes)
     app.on_response_prepare.append(door.on_prepare)
     proxy = Proxy(pool, router, metrics, request_log)
-    scraper = Scraper(pool, router, metrics)
+    link: WorkerLink | None = None
+    scraper = Scraper(pool, router, metrics, peers=(lambda name: link.peer_counts(name)) if worker else None)
     subscribers = KVEventSubscribers(router, metrics)
     app["pool"], app["metrics"], app["proxy"], app["router"] = pool, metrics, proxy, router
     app["gate"], app["guard"] = gate, guard
@@ -58,6 +68,8 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
         # Router first: it raises on a policy it cannot build, before anything has changed.
         # All synchronous, on the loop: no request is routed half-way through a swap.
         router.apply(new)
+        if link is not None:
+            router.policy = link.share(router.policy)  # the others learn what this policy commits
         added, removed = pool.apply(new)
         subscribers.sync(new)
         request_log.token_ids = new.logging.token_ids
@@ -68,6 +80,15 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
             app["supervisor_sync"] = asyncio.get_running_loop().create_task(supervisor.sync(new))
         return {"added": added, "removed": removed}
     started = int(time.time())
+    if worker is not None:
+        link = WorkerLink(worker, router, pool, scraper, apply)
+        link.snapshots = MetricsSnapshots(worker.run_dir, str(worker.index), metrics.registry)
+        router.policy = link.share(router.policy)
+        app["link"] = link
+
+        async def tag_worker(_request: web.Request, response: web.StreamResponse) -> None:
+            response.headers["x-kvgate-worker"] = str(worker.index)  # which process answered
+        app.on_response_prepare.append(tag_worker)
 
     async def models(request: web.Request) -> web.Response:
         entries: dict[str, dict] = {}
@@ -104,7 +125,16 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
             status=200 if ready else 503)
 
     async def metrics_endpoint(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"content-type": metrics.content_type})
+        # Several workers: this one's live metrics merged with the others' last snapshots.
+        body = metrics.render() if link is None else link.snapshots.render()
+        return web.Response(body=body, headers={"content-type": metrics.content_type})
+
+    def prefix_blocks(name: str) -> int | None:
+        """Blocks the prefix table records for a replica (KV events' or guessed): what this process
+        believes it caches (with several workers, each answers for itself)."""
+        state = router.state
+        model = state.model_of.get(name)
+        return state.table(model).size(name) if model is not None else None
 
     async def admin_replicas(_request: web.Request) -> web.Response:
         tracker, now = router.state.tracker, router.state.clock()
@@ -112,13 +142,17 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
             {"name": replica.name, **replica.describe(), "in_flight": tracker.own_in_flight(replica.name),
              "load_in_flight": tracker.in_flight(replica.name, now),
              "mode": "precise" if router.precise.get(replica.name) else "approximate",
-             **(supervisor.describe(replica.name) if supervisor is not None else {})}
+             "prefix_blocks": prefix_blocks(replica.name),
+             **(supervisor.describe(replica.name) if supervisor is not None
+                else link.process_of(replica.name) if link is not None else {})}
             for replica in pool.replicas]})
 
     async def admin_drain(request: web.Request) -> web.Response:
         name, action = request.match_info["name"], request.match_info["action"]
         if not (pool.drain(name) if action == "drain" else pool.undrain(name)):
             raise NotFound(f"No replica named {name!r}.", param="name", code="replica_not_found")
+        if link is not None:
+            link.drained(name, action == "drain")  # every other worker, through the parent
         replica = pool.by_name[name]
         return web.json_response({"name": name, **replica.describe(),
                                   "in_flight": router.state.tracker.own_in_flight(name)})
@@ -137,6 +171,9 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
     app.on_cleanup.append(subscribers.close)
     app.on_cleanup.append(scraper.close)
     app.on_cleanup.append(pool.close)
+    if link is not None:
+        app.on_startup.append(link.start)
+        app.on_cleanup.insert(0, link.close)
     if config_path is not None:
         watcher = ConfigWatcher(config_path, config, apply, metrics)
         app["config_watcher"] = watcher
@@ -149,21 +186,25 @@ def ready_line(config: Config) -> str:
     models = config.models()
     label = "model" if len(models) == 1 else "models"
     count = len(config.replicas)
+    workers = config.gateway.workers
     return (f"kvgate ready: http://{config.gateway.host}:{config.gateway.port}/v1 "
-            f"({label} {', '.join(models)}, {count} replica{'s' if count != 1 else ''})")
+            f"({label} {', '.join(models)}, {count} replica{'s' if count != 1 else ''}"
+            f"{f', {workers} workers' if workers > 1 else ''})")
 
 
 async def serve(config: Config, on_ready: Callable[[], None] | None = None,
                 stop: asyncio.Event | None = None, config_path: str | None = None, launcher=None,
-                admin_token: str | None = None) -> None:
+                admin_token: str | None = None, worker: WorkerSpec | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready.
     Stopping drains: the listening socket closes at once, requests in flight get drain_grace_s
-    to finish (aiohttp's graceful shutdown), and only then does the caller stop the replicas."""
+    to finish (aiohttp's graceful shutdown), and only then does the caller stop the replicas.
+    `worker`: one of several processes on the port (gateway/workers.py starts them)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(config, config_path, launcher, admin_token)
+    app = build_app(config, config_path, launcher, admin_token, worker)
+    link: WorkerLink | None = app.get("link")
     # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
     # request so the replica stops generating for nobody.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
@@ -171,9 +212,12 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
     await runner.setup()
     try:
         # Connections are GuardedHandlers: per-client cap, header timeout, header limits (gateway/limits.py).
+        # Workers share the port: the kernel spreads new connections over their sockets.
         site = GuardedSite(runner, config.gateway.host, config.gateway.port, app["guard"], reuse_address=True,
-                           backlog=1024)
+                           reuse_port=True if link is not None else None, backlog=1024)
         await site.start()
+        if link is not None:
+            link.listening = True
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port,
                  replicas=[replica.name for replica in config.replicas], policy=config.routing.policy)
 
@@ -181,6 +225,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
             await app["pool"].all_ready.wait()
             log.info("gateway_ready", url=f"http://{config.gateway.host}:{config.gateway.port}/v1",
                      models=config.models(), replicas=len(config.replicas))
+            if link is not None:
+                link.ready = True  # the parent prints the ready line once every worker is
             if on_ready is not None:
                 on_ready()
 
@@ -200,13 +246,15 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
 
 
 def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None,
-        launcher=None, admin_token: str | None = None) -> int:
+        launcher=None, admin_token: str | None = None, worker: WorkerSpec | None = None) -> int:
+    main = serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token,
+                 worker=worker)
     try:
         import uvloop
     except ImportError:  # not on Windows; asyncio's loop works, slower
-        asyncio.run(serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token))
+        asyncio.run(main)
     else:
-        uvloop.run(serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token))
+        uvloop.run(main)
     return 0
 
 
