@@ -8,7 +8,11 @@ Lifecycle of a replica's mode (kvgate_routing_mode{replica}: 1 precise, 0 approx
               batch came for `routing.kv_events_silence_s`, or the socket failed -> approximate:
               the replica's entries are cleared and the table learns from routing again
   resume   -> the next batch after a fallback: clear, replay from 0, precise again
-Every transition is a log line; fallbacks are counted by reason."""
+Every transition is a log line; fallbacks are counted by reason.
+
+With several gateway workers (gateway/workers.py) each runs its own subscribers: a replica's PUB
+feeds any number of SUBs and its replay socket answers each, so every worker builds the same
+table from the same events (and so does every gateway host in front of the same replicas)."""
 from __future__ import annotations
 
 import asyncio

@@ -23,7 +23,8 @@ EXIT_CANNOT_LISTEN = 3
 
 
 class PipeSink:
-    """The log file's side of configure_logging, as a pipe to the parent: one write() per line."""
+    """The log file's side of configure_logging, as a pipe to the parent: one write() per line, or
+    per batch of lines (observability's writer thread batches them)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd

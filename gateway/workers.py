@@ -3,8 +3,9 @@ the parent that starts them (`kvgate serve` and `kvgate up` become that parent).
 
     kvgate serve|up        this parent: no HTTP of its own
       worker 0..N-1        `python -m gateway.worker`: the whole gateway app (gateway/server.py),
-                           each binding host:port with SO_REUSEPORT; the kernel spreads new
-                           connections over them by a hash of the connection's addresses
+                           each binding host:port with SO_REUSEPORT; Linux spreads new
+                           connections over them by a hash of the connection's addresses (macOS
+                           and the BSDs hand them all to one socket: workers help on Linux only)
       replicas             `kvgate up` only: launched, health-waited and restarted by this parent
                            (gateway/launcher.py, gateway/supervisor.py), never by a worker
 

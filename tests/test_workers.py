@@ -304,6 +304,10 @@ def test_workers_share_the_port_and_every_request_gets_one_record_with_its_token
         # The terminal stream has them too, each line whole (every JSON line parses).
         stdout = [json.loads(line) for line in gw.server.logs().splitlines() if line.startswith("{")]
         assert sorted(r["request_id"] for r in stdout if r["event"] == "request") == sorted(sent)
+        # `kvgate tail` reads the file as it reads a one-process gateway's: every line whole.
+        tail = subprocess.run([sys.executable, "-m", "gateway.cli", "tail", str(gw.log_path), "--no-follow"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert "16 requests" in tail.stdout and "0 non-JSON lines" in tail.stdout, tail.stdout[-2000:]
         # One /metrics for the gateway, whichever worker answers: counters summed over the workers.
         poll(lambda: metric(http("GET", gw.url + "/metrics")[2], "kvgate_requests_total") == 16,
              "both workers' requests counted in /metrics", gw.server)
