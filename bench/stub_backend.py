@@ -5,6 +5,9 @@ vLLM's shapes (`return_token_ids`, streamed usage with `prompt_tokens_details.ca
 `max_model_len` in /v1/models, `vllm:` gauges in /metrics, the tokenizer bundle at
 /kvgate/tokenizer), and every answer is deterministic: the output token IDs depend only on
 the prompt's token IDs. A request gets `--output-tokens` tokens, or `max_tokens` if smaller.
+Its usage reports the cached tokens a prefix cache of `--prefix-cache-blocks` 16-token blocks
+would have held (vLLM's rule: full blocks, never the prompt's last token; LRU; 0: always 0), so a
+router that checks its predictions against them sees what a real replica would tell it.
 
     .venv/bin/python -m bench.stub_backend --port 8101 [--model stub] [--output-tokens 16]
 
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 import msgspec
@@ -35,12 +39,42 @@ from tokenization.bundle import TokenizerBundle
 
 _json = msgspec.json.Encoder()
 _OUTPUT_POOL_SIZE = 64
+BLOCK_TOKENS = 16
+
+
+class PrefixCache:
+    """Which full 16-token prompt blocks a replica with prefix caching would hold (LRU)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, prompt_ids: list[int]) -> int:
+        """Cached tokens of this prompt (vLLM: full blocks, never its last token); then it is cached."""
+        if not self.capacity_blocks:
+            return 0
+        keys, parent = [], 0
+        for start in range(0, len(prompt_ids) // BLOCK_TOKENS * BLOCK_TOKENS, BLOCK_TOKENS):
+            parent = hash((parent, tuple(prompt_ids[start:start + BLOCK_TOKENS])))
+            keys.append(parent)
+        usable = (len(prompt_ids) - 1) // BLOCK_TOKENS
+        hits = 0
+        while hits < usable and keys[hits] in self._blocks:
+            hits += 1
+        for key in keys:
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+        return hits * BLOCK_TOKENS
 
 
 class StubModel:
     """What the stub knows about its "model": a name, a tokenizer, and a fixed output vocabulary."""
 
-    def __init__(self, name: str, bundle: TokenizerBundle, output_tokens: int, max_model_len: int):
+    def __init__(self, name: str, bundle: TokenizerBundle, output_tokens: int, max_model_len: int,
+                 prefix_cache_blocks: int = 0):
+        self.prefix_cache = PrefixCache(prefix_cache_blocks)
         self.name = name
         self.bundle = bundle
         self.output_tokens = output_tokens
@@ -70,16 +104,17 @@ class StubModel:
         start = sum(prompt_ids) % len(self.pool)
         return [self.pool[(start + i) % len(self.pool)] for i in range(count)]
 
-    def plan(self, request) -> tuple[list[int], list[tuple[int, str]], str]:
+    def plan(self, request) -> tuple[list[int], list[tuple[int, str]], str, int]:
+        """(prompt IDs, output (id, text) pairs, finish reason, cached prompt tokens)."""
         prompt_ids = self.prompt_ids(request)
         limit = requested_max_tokens(request)[0] or self.output_tokens
         count = min(limit, self.output_tokens)
         finish_reason = "length" if count == limit else "stop"
-        return prompt_ids, self.output(prompt_ids, count), finish_reason
+        return prompt_ids, self.output(prompt_ids, count), finish_reason, self.prefix_cache.serve(prompt_ids)
 
-    def usage(self, prompt_ids: list[int], completion_tokens: int) -> dict:
+    def usage(self, prompt_ids: list[int], completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + completion_tokens,
-                "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+                "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def check_model(self, request) -> None:
         if request.model is not None and request.model != self.name:
@@ -109,7 +144,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
     async def completions(request: web.Request) -> web.StreamResponse:
         body = decode_completion(await request.read())
         model.check_model(body)
-        prompt_ids, output, finish_reason = model.plan(body)
+        prompt_ids, output, finish_reason, cached = model.plan(body)
         with_ids = bool(body.return_token_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -121,7 +156,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                 choice["token_ids"] = [token_id for token_id, _ in output]
             return _json_response({"id": request_id, "object": "text_completion", "created": created,
                                    "model": model.name, "choices": [choice],
-                                   "usage": model.usage(prompt_ids, len(output))})
+                                   "usage": model.usage(prompt_ids, len(output), cached)})
 
         def events():
             for i, (token_id, text) in enumerate(output):
@@ -135,14 +170,14 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                        "model": model.name, "choices": [choice]}
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield {"id": request_id, "object": "text_completion", "created": created, "model": model.name,
-                       "choices": [], "usage": model.usage(prompt_ids, len(output))}
+                       "choices": [], "usage": model.usage(prompt_ids, len(output), cached)}
 
         return await _sse_response(request, events())
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = decode_chat(await request.read())
         model.check_model(body)
-        prompt_ids, output, finish_reason = model.plan(body)
+        prompt_ids, output, finish_reason, cached = model.plan(body)
         with_ids = bool(body.return_token_ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -151,7 +186,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                                               "tool_calls": []},
                       "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
             response = {"id": request_id, "object": "chat.completion", "created": created, "model": model.name,
-                        "choices": [choice], "usage": model.usage(prompt_ids, len(output))}
+                        "choices": [choice], "usage": model.usage(prompt_ids, len(output), cached)}
             if with_ids:  # chat: prompt IDs at the top level, output IDs in the choice
                 response["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = [token_id for token_id, _ in output]
@@ -173,7 +208,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                        "model": model.name, "choices": [choice]}
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": model.name, "choices": [], "usage": model.usage(prompt_ids, len(output))}
+                       "model": model.name, "choices": [], "usage": model.usage(prompt_ids, len(output), cached)}
 
         return await _sse_response(request, events())
 
@@ -229,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-dir", default=None, help="HF checkpoint dir (default: the tiny checkpoint)")
     parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (max_tokens caps it)")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--prefix-cache-blocks", type=int, default=8192,
+                        help="16-token blocks of the prefix cache whose hits usage reports (0: report none)")
     parser.add_argument("--fail-status", type=int, default=None,
                         help="answer every generation request with this HTTP status (failover tests)")
     args = parser.parse_args(argv)
@@ -240,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         from replica.tiny import tiny_checkpoint_dir  # builds it once per machine (needs torch the first time)
         tokenizer_dir = tiny_checkpoint_dir()
     model = StubModel(args.model, TokenizerBundle.from_hf_dir(tokenizer_dir), args.output_tokens,
-                      args.max_model_len)
+                      args.max_model_len, args.prefix_cache_blocks)
     try:
         import uvloop
         run = uvloop.run

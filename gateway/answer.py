@@ -16,41 +16,49 @@ A try that dies before its first token is simply tried again; the client never s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import msgspec
 import structlog
-from aiohttp import web
 
+from gateway.exchange import Exchange
 from observability.request_log import RequestRecord
+from protocol.errors import error_body
 from protocol.responses import chunk_base, full_response, text_chunk, usage_chunk, usage_of
-from protocol.sse import DONE_EVENT, data_of, event
+from protocol.sse import DONE_EVENT, event
+from protocol.stream_chunks import UNSET, Chunk, Choice, MalformedEvent, as_dict, decode_events, strip_token_ids
 from tokenization import IncrementalDetokenizer, TokenizerBundle
 from tokenization.stop_strings import find_stop_string, held_back_chars
 
-_decode_json = msgspec.json.Decoder().decode
 log = structlog.get_logger("kvgate.proxy")
 
 
-@dataclass
 class AnswerSpec:
     """What the client asked for, as far as shaping the answer goes."""
-    chat: bool
-    stream: bool
-    model: str
-    wants_token_ids: bool
-    wants_usage: bool
-    stops: list[str]
-    skip_special_tokens: bool
-    echo_chars: int = 0   # completions with echo: the prompt text that leads the first chunk
+    __slots__ = ("chat", "stream", "model", "wants_token_ids", "wants_usage", "stops", "skip_special_tokens",
+                 "echo_chars")
+
+    def __init__(self, chat: bool, stream: bool, model: str, wants_token_ids: bool, wants_usage: bool,
+                 stops: list[str], skip_special_tokens: bool, echo_chars: int = 0) -> None:
+        self.chat = chat
+        self.stream = stream
+        self.model = model
+        self.wants_token_ids = wants_token_ids
+        self.wants_usage = wants_usage
+        self.stops = stops
+        self.skip_special_tokens = skip_special_tokens
+        self.echo_chars = echo_chars  # completions with echo: the prompt text that leads the first chunk
 
 
 class Answer:
-    def __init__(self, spec: AnswerSpec, record: RequestRecord, reply_headers: dict) -> None:
+    __slots__ = ("spec", "record", "reply_headers", "exchange", "texts", "emitted_chars", "opening_sent",
+                 "finish_reason", "stop_reason", "base", "prompt_token_ids", "delivered", "_echo_left",
+                 "kv_stats", "_detok")
+
+    def __init__(self, spec: AnswerSpec, record: RequestRecord, reply_headers: dict, exchange: Exchange) -> None:
         self.spec = spec
         self.record = record
         self.reply_headers = reply_headers
-        self.response: web.StreamResponse | None = None  # the client's SSE response, once prepared
+        self.exchange = exchange
         self.texts: list[str] = []      # output text so far (collect mode, and for the seam)
         self.emitted_chars = 0          # output characters the client has or the answer holds
         self.opening_sent = False       # a chat stream's role chunk went out
@@ -62,7 +70,6 @@ class Answer:
         self._echo_left = spec.echo_chars
         self.kv_stats: dict | None = None  # a P/D decode leg's kv_transfer_stats (bytes pulled, seconds)
         self._detok: IncrementalDetokenizer | None = None  # resumed mode
-        self._resume_text = ""          # the detokenizer's text beyond what was emitted before the seam
 
     @property
     def complete(self) -> bool:
@@ -72,86 +79,112 @@ class Answer:
     def resumed(self) -> bool:
         return self._detok is not None
 
+    @property
+    def response_started(self) -> bool:
+        return self.exchange.streaming
+
     # ---- the client's stream -------------------------------------------------------------------
-    async def open_stream(self, request: web.Request) -> None:
-        """Prepare the client's SSE response (once, when the first try answers 200)."""
-        if self.response is not None or not self.spec.stream:
+    async def open_stream(self) -> None:
+        """Send the client's SSE head (once, when the first try answers 200)."""
+        if self.exchange.streaming or not self.spec.stream:
             return
-        response = web.StreamResponse(status=200, headers={
-            **self.reply_headers, "content-type": "text/event-stream", "cache-control": "no-cache"})
-        await response.prepare(request)
-        self.response = response
+        await self.exchange.open_stream({**self.reply_headers, "content-type": "text/event-stream",
+                                         "cache-control": "no-cache"})
 
-    async def _write(self, data: bytes) -> None:
-        if self.response is not None:
-            try:
-                await self.response.write(data)
-            except ConnectionResetError:  # aiohttp's is also a ClientError: keep it apart from upstream's
-                raise ClientGone(self.response) from None
+    # ---- upstream events -----------------------------------------------------------------------
+    async def on_events(self, events: list[bytes]) -> None:
+        """The events of one read from the replica, in order; what the client gets of them goes
+        out in one write (token IDs cut out of the whole batch at once when the client did not
+        ask for them)."""
+        try:
+            kept, chunks = decode_events(events)
+        except MalformedEvent as exc:
+            raise InBandError(f"malformed stream event: {exc}"[:300]) from None
+        out: list[bytes] = []
+        now = time.perf_counter()
+        on_chunk = self._on_chunk
+        try:
+            for index, chunk in enumerate(chunks):
+                on_chunk(kept, index, chunk, now, out)
+        finally:
+            if out and self.spec.stream:
+                data = b"\n\n".join(out) + b"\n\n"
+                if not self.spec.wants_token_ids:
+                    data = strip_token_ids(data)
+                await self.exchange.write(data)
 
-    # ---- one upstream event --------------------------------------------------------------------
-    async def on_event(self, raw_event: bytes) -> None:
-        data = data_of(raw_event)
-        if data is None or data == b"[DONE]":
-            return  # the gateway writes its own [DONE] when the answer is complete
-        chunk = _decode_json(data)  # small objects: microseconds with msgspec
-        if not isinstance(chunk, dict):
-            return
+    def _on_chunk(self, events: list[bytes], index: int, chunk: Chunk, now: float, out: list[bytes]) -> None:
+        """One chunk: the record and the answer learn from it, and `out` gets its event as the
+        client receives it (if it does)."""
         record = self.record
-        if "error" in chunk:
-            error = chunk["error"]
-            record.error = error.get("message") if isinstance(error, dict) else str(error)
-            raise InBandError(record.error)
-        stats = chunk.pop("kv_transfer_stats", None)  # a decode leg's, for the record; not the client's
-        if stats is not None:
-            self.kv_stats = stats if isinstance(stats, dict) else None
-            raw_event = b"data: " + msgspec.json.encode(chunk)
-        if self.base is None and "id" in chunk:
-            self.base = {key: chunk.get(key) for key in ("id", "object", "created", "model")}
-        choices = chunk.get("choices") or []
-        usage = chunk.get("usage")
-        if usage:
-            _take_usage(record, usage, keep_counts=self.resumed)
-        ids = chunk.get("prompt_token_ids") or (choices[0].get("prompt_token_ids") if choices else None)
-        if ids and self.prompt_token_ids is None:
-            self.prompt_token_ids = _take_prompt_ids(record, ids)
+        rebuild = False  # the event holds something the client must not get as is
+        if chunk.error is not None or chunk.kv_transfer_stats is not None:
+            if chunk.error is not None:
+                error = chunk.error
+                record.error = error.get("message") if isinstance(error, dict) else str(error)
+                raise InBandError(record.error)
+            # a decode leg's KV transfer stats: for the record, not the client's
+            self.kv_stats = chunk.kv_transfer_stats if isinstance(chunk.kv_transfer_stats, dict) else None
+            rebuild = True
+        if self.base is None and chunk.id is not None:
+            self.base = {"id": chunk.id, "object": chunk.object, "created": chunk.created, "model": chunk.model}
+        choices = chunk.choices
+        usage = chunk.usage
+        if usage is not None:
+            _take_usage(record, usage, keep_counts=self._detok is not None)
+        if self.prompt_token_ids is None:
+            ids = chunk.prompt_token_ids or (choices[0].prompt_token_ids if choices else None)
+            if ids:
+                self.prompt_token_ids = _take_prompt_ids(record, ids)
+        spec = self.spec
         if not choices:
-            if usage and not self.resumed and self.spec.stream and self.spec.wants_usage:
-                await self._write(raw_event + b"\n\n")  # the client asked for the usage chunk
+            if usage is not None and self._detok is None and spec.stream and spec.wants_usage:
+                out.append(self._relayed(events[index], rebuild, drop_usage=False))
             return
         choice = choices[0]
-        token_ids = choice.get("token_ids") or []
-        if self.resumed:
-            await self._on_resumed_tokens(token_ids, choice)
+        token_ids = choice.token_ids
+        if self._detok is not None:
+            self._on_resumed_tokens(token_ids or (), choice, now, out)
             return
-        record.tokens_arrived(token_ids, time.perf_counter())
-        text = _text_of(choice, self.spec.chat)
-        if "role" in (choice.get("delta") or {}):
-            if self.opening_sent:
-                return  # a retried try's role chunk: the client has one already
-            self.opening_sent = True
-        if self._echo_left and text:
-            echoed = min(self._echo_left, len(text))
-            self._echo_left -= echoed
-            output_text = text[echoed:]
+        if token_ids:
+            record.tokens_arrived(token_ids, now)
+        if spec.chat:
+            delta = choice.delta
+            text = (delta.content or "") if delta is not None else ""
+            if delta is not None and delta.role is not UNSET:
+                if self.opening_sent:
+                    return  # a retried try's role chunk: the client has one already
+                self.opening_sent = True
         else:
-            output_text = text
-        if output_text:
-            self.texts.append(output_text)
-            self.emitted_chars += len(output_text)
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
-            self.stop_reason = choice.get("stop_reason")
-            record.finish_reason = self.finish_reason
-        if not self.spec.stream:
+            text = choice.text or ""
+        if text:
+            if self._echo_left:
+                echoed = min(self._echo_left, len(text))
+                self._echo_left -= echoed
+                text = text[echoed:]
+            self.texts.append(text)
+            self.emitted_chars += len(text)
+        if choice.finish_reason:
+            self.finish_reason = record.finish_reason = choice.finish_reason
+            self.stop_reason = choice.stop_reason
+        if not spec.stream:
             return
-        if self.spec.wants_token_ids and (self.spec.wants_usage or not usage):
-            await self._write(raw_event + b"\n\n")
-            return
-        _strip_token_ids(chunk)
-        if not self.spec.wants_usage:
+        drop_usage = usage is not None and not spec.wants_usage
+        out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage else events[index])
+
+    @staticmethod
+    def _relayed(event_bytes: bytes, rebuild: bool, drop_usage: bool) -> bytes:
+        """An event that carries something the client must not get (usage it did not ask for, a
+        decode leg's KV stats), rebuilt from its JSON without it (`data: {...}`, no blank line).
+        Every other event goes out as the replica's bytes (fields the gateway does not know pass
+        unchanged)."""
+        if not rebuild and not drop_usage:
+            return event_bytes
+        chunk = as_dict(b"\n".join(line[5:].lstrip(b" ") for line in event_bytes.split(b"\n")))
+        chunk.pop("kv_transfer_stats", None)
+        if drop_usage:
             chunk.pop("usage", None)
-        await self._write(event(chunk))
+        return event(chunk)[:-2]
 
     # ---- resuming ------------------------------------------------------------------------------
     def start_resume(self, bundle: TokenizerBundle) -> None:
@@ -166,11 +199,11 @@ class Answer:
             self.base = {"id": f"{'chatcmpl' if self.spec.chat else 'cmpl'}-{self.record.request_id}",
                          "object": None, "created": int(time.time()), "model": self.spec.model}
 
-    async def _on_resumed_tokens(self, token_ids: list[int], choice: dict) -> None:
+    def _on_resumed_tokens(self, token_ids, choice: Choice, now: float, out: list[bytes]) -> None:
         if self.complete:
             return
         record, detok, stops = self.record, self._detok, self.spec.stops
-        record.tokens_arrived(token_ids, time.perf_counter())
+        record.tokens_arrived(token_ids, now)
         for token_id in token_ids:
             detok.add(token_id)
         full = detok.text
@@ -182,8 +215,8 @@ class Answer:
         if hit is not None:
             full = full[:hit[0]]
             finish, stop_reason = "stop", hit[1]
-        elif choice.get("finish_reason"):
-            finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        elif choice.finish_reason:
+            finish, stop_reason = choice.finish_reason, choice.stop_reason
         release_to = len(full) if finish else len(full) - held_back_chars(full, stops)
         delta = full[self.emitted_chars:max(self.emitted_chars, release_to)]
         if delta:
@@ -194,8 +227,8 @@ class Answer:
             record.finish_reason = finish
         if self.spec.stream and (delta or finish or (self.spec.wants_token_ids and token_ids)):
             base = chunk_base(self.base["id"], self.base["created"], self.spec.model, self.spec.chat)
-            await self._write(event(text_chunk(base, self.spec.chat, delta, finish, stop_reason,
-                                               token_ids if self.spec.wants_token_ids else None)))
+            out.append(event(text_chunk(base, self.spec.chat, delta, finish, stop_reason,
+                                        list(token_ids) if self.spec.wants_token_ids else None))[:-2])
 
     # ---- the end ---------------------------------------------------------------------------------
     def _usage(self) -> dict:
@@ -203,8 +236,8 @@ class Answer:
         prompt_tokens = len(self.prompt_token_ids or record.prompt_token_ids or [])
         return usage_of(prompt_tokens, len(record.output_token_ids), record.cached_tokens)
 
-    async def finish(self) -> web.StreamResponse | web.Response:
-        """The answer is complete: close the stream (usage chunk, [DONE]) or build the JSON."""
+    async def finish(self) -> None:
+        """The answer is complete: close the stream (usage chunk, [DONE]) or send the JSON."""
         record = self.record
         record.completion_tokens = len(record.output_token_ids)
         base = self.base or {"id": f"{'chatcmpl' if self.spec.chat else 'cmpl'}-{record.request_id}",
@@ -218,42 +251,25 @@ class Answer:
             if not self.spec.wants_token_ids:
                 _strip_token_ids(answer)
             self.delivered = True
-            return web.Response(body=msgspec.json.encode(answer), content_type="application/json",
-                                headers=self.reply_headers)
+            await self.exchange.respond(200, msgspec.json.encode(answer), self.reply_headers)
+            return
+        tail = DONE_EVENT
         if self.resumed and self.spec.wants_usage:
             chunk = usage_chunk(chunk_base(base["id"], base["created"], self.spec.model, self.spec.chat),
                                 self._usage())
-            await self._write(event(chunk))
-        await self._write(DONE_EVENT)
+            tail = event(chunk) + DONE_EVENT
+        await self.exchange.write(tail)
         self.delivered = True
-        try:
-            await self.response.write_eof()
-        except ConnectionResetError:
-            pass  # a client that hangs up right after [DONE] (the OpenAI SDK does) got everything
-        return self.response
+        await self.exchange.close_stream()
 
-    async def fail_in_band(self, status: int, message: str) -> web.StreamResponse:
+    async def fail_in_band(self, status: int, message: str) -> None:
         """Headers went out, and the answer cannot be finished: say so in the stream, as vLLM does."""
-        from protocol.errors import error_body
-        await self._write(event(error_body(message, "upstream_error", None, status)))
-        await self._write(DONE_EVENT)
-        try:
-            await self.response.write_eof()
-        except ConnectionResetError:
-            pass
-        return self.response
+        await self.exchange.write(event(error_body(message, "upstream_error", None, status)) + DONE_EVENT)
+        await self.exchange.close_stream()
 
 
 class InBandError(Exception):
-    """The replica reported an error inside its stream (after its 200)."""
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it hung up. Carries its (prepared) response."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
+    """The replica reported an error inside its stream (after its 200), or sent one it cannot read."""
 
 
 def _take_prompt_ids(record: RequestRecord, ids: list[int]) -> list[int]:
@@ -266,22 +282,14 @@ def _take_prompt_ids(record: RequestRecord, ids: list[int]) -> list[int]:
     return ids
 
 
-def _text_of(choice: dict, chat: bool) -> str:
-    if chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
 def _take_usage(record: RequestRecord, usage, keep_counts: bool) -> None:
     """The replica's usage: cached tokens from the first try; counts only while nothing resumed
     (a continuation's own usage counts its prompt as prompt tokens)."""
-    if not isinstance(usage, dict):
-        return
-    if not keep_counts:
-        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and details.get("cached_tokens") is not None and record.cached_tokens is None:
-        record.cached_tokens = details["cached_tokens"]
+    if not keep_counts and usage.prompt_tokens is not None:
+        record.prompt_tokens = usage.prompt_tokens
+    details = usage.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None and record.cached_tokens is None:
+        record.cached_tokens = details.cached_tokens
 
 
 def _strip_token_ids(obj: dict) -> None:

@@ -2,7 +2,9 @@
 
 Mirrors what a vLLM-style server does, so the IDs the gateway routes on are the IDs the replica
 computes: completions get special tokens (BOS), chat prompts are rendered by the template (which
-writes its own BOS) and encoded without adding more."""
+writes its own BOS) and encoded without adding more. Both through the bundle's token cache
+(tokenization/token_cache.py): a repeated prompt is not tokenized again, and a chat's next turn
+only tokenizes its new messages."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +12,7 @@ import asyncio
 from protocol.errors import BadRequest
 from protocol.requests import AnyRequest, ChatCompletionRequest, message_dicts, single_prompt
 from tokenization import TokenizerBundle
+from tokenization.token_cache import token_cache
 
 # Above this many characters, tokenization moves to a thread: a 100k-character prompt takes
 # tens of ms in the Rust tokenizer, long enough to stall every stream the loop is relaying.
@@ -37,11 +40,11 @@ def tokenize_request(request: AnyRequest, bundle: TokenizerBundle) -> list[int]:
                                               add_generation_prompt=request.add_generation_prompt)
         except ValueError as exc:
             raise BadRequest(str(exc), param="messages") from None
-        return bundle.encode(text, add_special_tokens=False)
+        return token_cache(bundle).encode(text, add_special_tokens=False)
     prompt = single_prompt(request)
     if isinstance(prompt, list):
         return list(prompt)
-    return bundle.encode(prompt, add_special_tokens=True)
+    return token_cache(bundle).encode(prompt, add_special_tokens=True)
 
 
 async def prompt_token_ids(request: AnyRequest, bundle: TokenizerBundle) -> list[int]:

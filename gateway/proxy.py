@@ -18,33 +18,30 @@ with its real outcome, also when its 200 had already gone out."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Callable
 
-import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.answer import Answer, AnswerSpec, ClientGone, InBandError
-from gateway.auth import grant_of
+from gateway.answer import Answer, AnswerSpec, InBandError
+from gateway.exchange import AiohttpExchange, ClientGone, Exchange
+from gateway.http_client import ConnectFailed, HttpClientError, Response
+from gateway.limits import new_request_id
 from gateway.prompts import prompt_token_ids
 from gateway.resume import continuation_body, effective_max_tokens
 from gateway.retry_budget import RetryBudget
 from gateway.router import RoutedAttempt, Router
 from gateway.pd import PDState, PrefillDecode, is_pd_error
-from gateway.upstream import ReplicaPool, ReplicaState, refused, timeout_at
+from gateway.upstream import ReplicaPool, ReplicaState
 from observability.metrics import GatewayMetrics
 from observability.request_log import RequestLog, RequestRecord
 from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Overloaded, Unavailable,
-                             UpstreamError, from_decode_error, normalize_upstream_error)
-from protocol.http import error_response
-from protocol.requests import (AnyRequest, ChatCompletionRequest, check_honoured, decode_chat, decode_completion,
-                               fit_max_tokens, requested_max_tokens, stop_strings)
-from protocol.sse import EventSplitter
+                             UpstreamError, error_body, from_decode_error, normalize_upstream_error)
+from protocol.requests import (UNHONOURED_NAMES, AnyRequest, ChatCompletionRequest, check_honoured, decode_chat,
+                               decode_completion, fit_max_tokens, requested_max_tokens, stop_strings)
+from protocol.sse import DONE_EVENT, EventSplitter, event
 
 
 log = structlog.get_logger("kvgate.proxy")
@@ -68,21 +65,26 @@ class TryFailed(Exception):
         self.counts_against_replica = counts_against_replica  # False: it is busy, not broken
 
 
-@dataclass
 class _Plan:
     """Everything about one request that every try of it reuses."""
-    parsed: AnyRequest
-    raw: dict
-    model: str
-    prompt_ids: list[int]
-    hashes: object
-    session_key: str | None
-    streamed_upstream: bool  # the replica streams (always, unless the answer has fields we cannot collect)
-    payload: bytes
-    deadline: float          # loop time by which the whole request is over
-    pd: PDState | None       # set when the model is served by prefill/decode pools
-    ttft_timeout_s: float
-    inter_token_timeout_s: float
+    __slots__ = ("parsed", "raw", "model", "prompt_ids", "hashes", "session_key", "streamed_upstream", "payload",
+                 "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
+
+    def __init__(self, parsed: AnyRequest, raw: dict, model: str, prompt_ids: list[int], hashes, session_key,
+                 streamed_upstream: bool, payload: bytes, deadline: float, pd: PDState | None,
+                 ttft_timeout_s: float, inter_token_timeout_s: float) -> None:
+        self.parsed = parsed
+        self.raw = raw
+        self.model = model
+        self.prompt_ids = prompt_ids
+        self.hashes = hashes
+        self.session_key = session_key
+        self.streamed_upstream = streamed_upstream  # the replica streams (unless the answer has fields we cannot collect)
+        self.payload = payload
+        self.deadline = deadline                    # loop time by which the whole request is over
+        self.pd = pd                                # set when the model is served by prefill/decode pools
+        self.ttft_timeout_s = ttft_timeout_s
+        self.inter_token_timeout_s = inter_token_timeout_s
 
 
 class Proxy:
@@ -102,44 +104,46 @@ class Proxy:
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "/v1/completions", decode_completion)
+        return await self._aiohttp(request, "/v1/completions", decode_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "/v1/chat/completions", decode_chat)
+        return await self._aiohttp(request, "/v1/chat/completions", decode_chat)
+
+    async def _aiohttp(self, request: web.Request, endpoint: str, decode) -> web.StreamResponse:
+        """The routes on aiohttp's own connections (gateway/hot_path.py serves the others)."""
+        exchange = AiohttpExchange(request, request.headers.get("x-request-id") or new_request_id())
+        await self.handle(exchange, endpoint, decode)
+        return exchange.response
 
     # ---- one request, one record ----------------------------------------------------------------
 
-    async def _handle(self, request: web.Request, endpoint: str,
-                      decode: Callable[[bytes], AnyRequest]) -> web.StreamResponse:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    async def handle(self, exchange: Exchange, endpoint: str, decode: Callable[[bytes], AnyRequest]) -> None:
+        """Serve one request into `exchange`; emits its one record whatever happens."""
+        request_id = exchange.request_id
         record = RequestRecord(request_id, endpoint)
         reply_headers = {"x-request-id": request_id}
         self.active += 1
         try:
             try:
-                return await self._serve(request, record, decode, reply_headers)
+                await self._serve(exchange, record, decode, reply_headers)
             except msgspec.DecodeError as exc:
                 raise from_decode_error(exc) from None
         except APIError as err:
             record.fail(err.status, err.message)
-            response = error_response(err)
-            response.headers.update(reply_headers)
-            return response
+            await self._refuse(exchange, err, reply_headers, record)
         except asyncio.CancelledError:
             record.fail(499, "client_disconnected")
             raise
-        except ClientGone as gone:  # it hung up while we wrote its stream: nothing more to send
+        except ClientGone:  # it hung up while we wrote its stream: nothing more to send
             record.fail(499, "client_disconnected")
-            return gone.response
         except web.HTTPException as exc:  # e.g. 413 from the body size limit; the middleware renders it
             record.fail(exc.status, exc.reason)
             raise
         except Exception as exc:
             log.exception("proxy_error", request_id=request_id)
             record.fail(500, f"{type(exc).__name__}: {exc}")
-            response = error_response(InternalError(f"Internal error: {type(exc).__name__}: {exc}"))
-            response.headers.update(reply_headers)
-            return response
+            await self._refuse(exchange, InternalError(f"Internal error: {type(exc).__name__}: {exc}"),
+                               reply_headers, record)
         finally:
             self.active -= 1
             self.request_log.emit(record)
@@ -148,9 +152,20 @@ class Proxy:
                 e2e_s=record.e2e_s, prompt_tokens=record.prompt_tokens,
                 completion_tokens=record.completion_tokens)
 
-    async def _serve(self, request: web.Request, record: RequestRecord, decode,
-                     reply_headers: dict) -> web.StreamResponse:
-        body = await request.read()
+    @staticmethod
+    async def _refuse(exchange: Exchange, err: APIError, headers: dict, record: RequestRecord) -> None:
+        if not exchange.streaming:
+            await exchange.respond_error(err, headers)
+            return
+        record.failed_after_headers = True  # its 200 is out: the error goes in-band, as vLLM does
+        try:
+            await exchange.write(event(error_body(err.message, err.type, err.param, err.code)) + DONE_EVENT)
+            await exchange.close_stream()
+        except ClientGone:
+            pass
+
+    async def _serve(self, exchange: Exchange, record: RequestRecord, decode, reply_headers: dict) -> None:
+        body = await exchange.body()
         parsed = decode(body)
         raw = _decode_json(body)  # decode() proved it is a JSON object
         record.stream = parsed.stream
@@ -166,13 +181,13 @@ class Proxy:
         record.prompt_tokens = len(prompt_ids)
         # ---- auth hook (gateway/auth.py): the caller's key applies its model list, tenant cache_salt,
         # max_tokens cap, prompt limit and tokens/min, editing parsed/raw before routing hashes them.
-        grant_of(request).admit(parsed, raw, record)
+        exchange.grant.admit(parsed, raw, record)
         self._check_context(parsed, prompt_ids, candidates)
 
         chat = isinstance(parsed, ChatCompletionRequest)
         # A non-streaming client is answered from a streamed upstream too (so a failure after k
         # tokens resumes from them), unless it asks for fields whose stream form we do not collect.
-        collectable = parsed.stream or _collectable(body)
+        collectable = parsed.stream or _collectable(raw, body)
         raw["return_token_ids"] = True
         raw["model"] = model
         if collectable:
@@ -183,7 +198,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         router = self.router
         plan = _Plan(parsed, raw, model, prompt_ids, router.hashes(prompt_ids, parsed.cache_salt),
-                     router.session_key(request.headers, parsed.user), collectable, _encode_json(raw),
+                     router.session_key(exchange.headers, parsed.user), collectable, _encode_json(raw),
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
         echo_chars = 0
         if getattr(parsed, "echo", False) and isinstance(parsed.prompt, str):
@@ -193,14 +208,13 @@ class Proxy:
                           wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                           stops=stop_strings(parsed), skip_special_tokens=parsed.skip_special_tokens is not False,
                           echo_chars=echo_chars)
-        answer = Answer(spec, record, reply_headers)
+        answer = Answer(spec, record, reply_headers, exchange)
         self.budget.on_request(time.monotonic())
-        return await self._tries(request, record, plan, answer)
+        await self._tries(exchange, record, plan, answer)
 
     # ---- tries ----------------------------------------------------------------------------------
 
-    async def _tries(self, request: web.Request, record: RequestRecord, plan: _Plan,
-                     answer: Answer) -> web.StreamResponse:
+    async def _tries(self, exchange: Exchange, record: RequestRecord, plan: _Plan, answer: Answer) -> None:
         max_attempts = self.pool.config.gateway.max_attempts
         failed: list[str] = []
         last: TryFailed | None = None
@@ -237,7 +251,7 @@ class Proxy:
                     endpoint, payload = record.endpoint, plan.payload
                 try:
                     if plan.streamed_upstream:
-                        await self._try_stream(request, replica, endpoint, payload, plan, answer, attempt)
+                        await self._try_stream(exchange, replica, endpoint, payload, plan, answer, attempt)
                     else:
                         return await self._try_json(replica, payload, plan, answer, attempt)
                     self.pool.report(replica, ok=True)
@@ -252,7 +266,7 @@ class Proxy:
                         plan.pd.prefill_failed.append(plan.pd.record["prefill"])  # next try: another prefill
                     if failure.counts_against_replica:
                         self.pool.report(replica, ok=False, reason=failure.reason, fatal=failure.fatal)
-                    self.metrics.try_failures.labels(replica=replica.name).inc()
+                    self.metrics.replica_counter(self.metrics.try_failures, replica.name).inc()
                     record.add_failover(replica.name, len(record.output_token_ids), failure.reason)
                     last = failure
                 finally:
@@ -267,7 +281,7 @@ class Proxy:
             if number == max_attempts or left <= 0 or not self.budget.try_spend(time.monotonic()):
                 break
             self.metrics.retries.labels(kind="resume" if record.output_token_ids else "retry").inc()
-        return await self._give_up(record, answer, last)
+        await self._give_up(record, answer, last)
 
     def _take_kv_stats(self, record: RequestRecord, answer: Answer) -> None:
         stats = answer.kv_stats
@@ -282,15 +296,15 @@ class Proxy:
             self.metrics.kv_transfer_bytes.inc(moved)
             self.metrics.kv_transfer_seconds.observe(stats.get("kv_transfer_seconds") or 0.0)
 
-    async def _give_up(self, record: RequestRecord, answer: Answer, failure: TryFailed) -> web.StreamResponse:
+    async def _give_up(self, record: RequestRecord, answer: Answer, failure: TryFailed) -> None:
         error = failure.error
         record.fail(error.status, f"{failure.reason}; after {len(record.failover or [])} tries")
-        if answer.response is None:
+        if not answer.response_started:
             raise error
         # The client has its 200 and part of the answer: say it in-band (as vLLM does); the
         # record keeps the real outcome.
         record.failed_after_headers = True
-        return await answer.fail_in_band(error.status, error.message)
+        await answer.fail_in_band(error.status, error.message)
 
     async def _admit(self, plan: _Plan, failed: list[str], retry: bool) -> list[str]:
         """Candidate replicas with room for one more request; waits in the bounded queue when all
@@ -362,7 +376,7 @@ class Proxy:
 
     # ---- one try --------------------------------------------------------------------------------
 
-    async def _try_stream(self, request: web.Request, replica: ReplicaState, endpoint: str, payload: bytes,
+    async def _try_stream(self, exchange: Exchange, replica: ReplicaState, endpoint: str, payload: bytes,
                           plan: _Plan, answer: Answer, attempt: RoutedAttempt) -> None:
         """Relay one streamed try into the answer; returns once the answer is complete, raises
         TryFailed when the replica cannot finish it.
@@ -375,42 +389,44 @@ class Proxy:
         loop = asyncio.get_running_loop()
         itl_s = plan.inter_token_timeout_s
         first_deadline = min(plan.deadline, loop.time() + plan.ttft_timeout_s)
-        upstream = None
+        upstream: Response | None = None
         finished = False
         try:
-            async with timeout_at(first_deadline):
-                try:
-                    upstream = await self.pool.session.post(replica.base_url + endpoint, data=payload,
-                                                            headers=_headers(record.request_id))
-                except aiohttp.ClientError as exc:
-                    raise TryFailed(f"connect: {_reason(exc)}",
-                                    UpstreamError(f"Replica {replica.name} unreachable.",
-                                                  code="upstream_unreachable"), fatal=refused(exc)) from None
-                if upstream.status != 200:
-                    raise await self._status_error(upstream, replica)
+            try:
+                upstream = await self.pool.client.post(replica.origin, endpoint, payload, record.request_id,
+                                                       first_deadline)
+            except HttpClientError as exc:
+                raise TryFailed(f"connect: {_reason(exc)}",
+                                UpstreamError(f"Replica {replica.name} unreachable.", code="upstream_unreachable"),
+                                fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
+            if upstream.status != 200:
+                raise await self._status_error(upstream, replica, first_deadline)
             replica.last_progress_s = loop.time()
-            _no_delay(request)
-            await answer.open_stream(request)
+            exchange.no_delay()
+            await answer.open_stream()
             splitter = EventSplitter()
-            chunks = upstream.content.iter_any()
             # Before the first token, wake every itl_s too: a replica that health checks took out
             # of rotation meanwhile (frozen, its engine dead) loses the request at once.
             wait_until = loop.time() + itl_s
             while not finished:
+                deadline = min(plan.deadline, wait_until)
                 try:
-                    async with timeout_at(min(plan.deadline, wait_until)) as timer:
-                        async for chunk in chunks:
-                            now = replica.last_progress_s = loop.time()
-                            for raw_event in splitter.feed(chunk):
-                                await answer.on_event(raw_event)
-                            if not attempt.started_decoding and record.first_token_s is not None:
-                                attempt.first_token()  # prefilled: the load tracker now counts it decoding
-                            if attempt.started_decoding:
-                                timer.reschedule(min(plan.deadline, now + itl_s))
-                        for raw_event in splitter.flush():
-                            await answer.on_event(raw_event)
-                        finished = True
-                except TimeoutError:
+                    # One wake-up per read from the replica, however many events it carries; the
+                    # deadline moves with each read once tokens flow (no timer per read).
+                    while data := await upstream.read_some(deadline):
+                        now = replica.last_progress_s = loop.time()
+                        events = splitter.feed(data)
+                        if events:
+                            await answer.on_events(events)
+                        if not attempt.started_decoding and record.first_token_s is not None:
+                            attempt.first_token()  # prefilled: the load tracker now counts it decoding
+                        if attempt.started_decoding:
+                            deadline = min(plan.deadline, now + itl_s)
+                    rest = splitter.flush()
+                    if rest:
+                        await answer.on_events(rest)
+                    finished = True
+                except TimeoutError:  # nothing was lost: what arrives stays for the next read
                     now = loop.time()
                     if now >= plan.deadline:
                         raise TryFailed("request_timeout", UpstreamError(
@@ -420,7 +436,6 @@ class Proxy:
                     if not attempt.started_decoding and not alive and replica.health.state == "healthy" \
                             and now < first_deadline:
                         wait_until = min(now + itl_s, first_deadline)  # a long prefill, maybe: its probes say so
-                        chunks = upstream.content.iter_any()
                         continue
                     if not alive:
                         what = ("stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
@@ -432,7 +447,6 @@ class Proxy:
                             f"Replica {replica.name} did not start the answer in time.", status=504,
                             code="upstream_timeout"), counts_against_replica=False) from None
                     wait_until = now + itl_s if attempt.started_decoding else min(now + itl_s, first_deadline)
-                    chunks = upstream.content.iter_any()  # nothing was lost: the read was only cancelled
         except TimeoutError:  # the request itself (connect + headers) took past the first deadline
             if loop.time() >= plan.deadline:
                 raise TryFailed("request_timeout", UpstreamError(
@@ -442,7 +456,7 @@ class Proxy:
                 f"Replica {replica.name} did not answer in time.", status=504, code="upstream_timeout")) from None
         except InBandError as exc:
             raise TryFailed(f"replica error: {exc}", UpstreamError(str(exc), code="upstream_error")) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        except HttpClientError as exc:
             raise TryFailed(f"disconnected: {_reason(exc)}", UpstreamError(
                 f"Replica {replica.name} failed mid-answer.", code="upstream_disconnected")) from None
         finally:
@@ -456,25 +470,24 @@ class Proxy:
                 f"Replica {replica.name} ended the stream early.", code="upstream_disconnected"))
 
     async def _try_json(self, replica: ReplicaState, payload: bytes, plan: _Plan, answer: Answer,
-                        attempt: RoutedAttempt) -> web.Response:
+                        attempt: RoutedAttempt) -> None:
         """A non-streamed answer passed through as is (fields the gateway does not collect from a
         stream); a failure before it arrives is tried again from scratch."""
         record = answer.record
         upstream = None
         try:
-            async with timeout_at(plan.deadline):
-                upstream = await self.pool.session.post(replica.base_url + record.endpoint, data=payload,
-                                                        headers=_headers(record.request_id))
-                if upstream.status != 200:
-                    raise await self._status_error(upstream, replica)
-                body = await upstream.read()
+            upstream = await self.pool.client.post(replica.origin, record.endpoint, payload, record.request_id,
+                                                   plan.deadline)
+            if upstream.status != 200:
+                raise await self._status_error(upstream, replica, plan.deadline)
+            body = await upstream.read(plan.deadline)
         except TimeoutError:
             raise TryFailed("request_timeout", UpstreamError(
                 "The request did not finish within request_timeout_s.", status=504, code="upstream_timeout")) from None
-        except aiohttp.ClientError as exc:
+        except HttpClientError as exc:
             raise TryFailed(f"disconnected: {_reason(exc)}", UpstreamError(
                 f"Replica {replica.name} failed while answering.", code="upstream_disconnected"),
-                fatal=refused(exc)) from None
+                fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
         finally:
             if upstream is not None:
                 upstream.release()
@@ -493,20 +506,20 @@ class Proxy:
                 item.pop("token_ids", None)
                 item.pop("prompt_token_ids", None)
             body = _encode_json(reply)
-        return web.Response(body=body, content_type="application/json", headers=answer.reply_headers)
+        await answer.exchange.respond(200, body, answer.reply_headers)
 
-    async def _status_error(self, upstream: aiohttp.ClientResponse, replica: ReplicaState) -> Exception:
+    async def _status_error(self, upstream: Response, replica: ReplicaState, deadline: float) -> Exception:
         """A replica's non-200: the client's error (4xx) to pass through, or TryFailed to try elsewhere."""
         try:
-            body = await upstream.read()
-        except aiohttp.ClientError:
+            body = await upstream.read(deadline)
+        except HttpClientError:
             body = b""
         try:
             payload = _decode_json(body)
         except msgspec.DecodeError:
             payload = body
         error = normalize_upstream_error(upstream.status, payload)
-        retry_after = upstream.headers.get("Retry-After", "")
+        retry_after = upstream.headers.get("retry-after", "")
         if retry_after.isdigit():  # a replica's overload advice reaches the client (429/503)
             error.retry_after_s = float(retry_after)
         if is_pd_error(error.code):  # the KV pull of a decode leg: the prefill side's trouble
@@ -519,6 +532,8 @@ class Proxy:
     # ---- checks ---------------------------------------------------------------------------------
 
     def _resolve_model(self, requested: str | None) -> str:
+        if requested is not None and any(replica.serves(requested) for replica in self.pool.replicas):
+            return requested  # the usual case, without building the list of every model
         known = self.pool.known_models()
         if requested is None:
             served = list(dict.fromkeys(spec.model for spec in self.pool.config.replicas))
@@ -538,24 +553,16 @@ class Proxy:
             fit_max_tokens(parsed, len(prompt_ids), min(lengths), None)
 
 
-def _collectable(body: bytes) -> bool:
+def _collectable(raw: dict, body: bytes) -> bool:
     """Whether a non-streamed answer can be collected from a stream: no field whose stream form
     (tool-call deltas, logprob lists, ...) the gateway does not put back together."""
+    if UNHONOURED_NAMES.isdisjoint(raw):  # the usual body: none of those fields at all
+        return True
     try:
         check_honoured(body)
     except BadRequest:
         return False
     return True
-
-
-def _headers(request_id: str) -> dict:
-    return {"content-type": "application/json", "x-request-id": request_id}
-
-
-def _no_delay(request: web.Request) -> None:
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event leaves at once
 
 
 def _reason(exc: BaseException) -> str:

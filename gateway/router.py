@@ -101,7 +101,10 @@ class Router:
     def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> np.ndarray:
         """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt, kept
         as the uint64 array the prefix table reads (no per-decision conversion)."""
-        return as_block_keys(block_hashes(prompt_token_ids, self.state.block_size, cache_salt))
+        hashes = block_hashes(prompt_token_ids, self.state.block_size, cache_salt)
+        if 0 in hashes:  # 0 marks an empty slot in the table: as_block_keys' rule, without numpy for the check
+            return as_block_keys(hashes)
+        return np.array(hashes, dtype=np.uint64)
 
     def attempt(self, candidates: list[str], model: str, prompt_token_ids: Sequence[int],
                 hashes: Sequence[int], session_key: str | None, cache_salt: str | None,
@@ -112,8 +115,7 @@ class Router:
                                block_hashes=hashes, session_key=session_key, cache_salt=cache_salt)
         policy = self.policy
         # The load each candidate looked like before this decision (the record explains the choice).
-        estimates = ({name: _estimate_log(state, name) for name in candidates}
-                     if policy.name != "round_robin" else None)
+        estimates = _estimates_log(state, candidates) if policy.name != "round_robin" else None
         decision = policy.choose(candidates, request)
         try:
             # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
@@ -142,9 +144,10 @@ class RoutedAttempt:
         if estimates is not None:
             self.log["load_estimate"] = estimates
         metrics = router.metrics
-        metrics.in_flight.labels(replica=self.replica).inc()
+        metrics.replica_in_flight(self.replica).inc()
         if decision.predicted_cached_tokens:
-            metrics.predicted_cached_tokens.labels(replica=self.replica).inc(decision.predicted_cached_tokens)
+            metrics.replica_counter(metrics.predicted_cached_tokens, self.replica).inc(
+                decision.predicted_cached_tokens)
 
     @property
     def started_decoding(self) -> bool:
@@ -169,14 +172,22 @@ class RoutedAttempt:
         router, replica = self.router, self.replica
         if self.routed.done:
             return
-        router.metrics.in_flight.labels(replica=replica).dec()
+        metrics = router.metrics
+        metrics.replica_in_flight(replica).dec()
         if self.cached_tokens is not None:
-            router.metrics.reported_cached_tokens.labels(replica=replica).inc(self.cached_tokens)
+            metrics.replica_counter(metrics.reported_cached_tokens, replica).inc(self.cached_tokens)
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimate_log(state: RoutingState, replica: str) -> dict:
-    estimate = state.tracker.estimate(replica, state.clock())
-    return {"waiting": estimate.waiting, "pending_prefill_tokens": estimate.pending_prefill_tokens,
-            "decoding": estimate.decoding, "in_flight": estimate.in_flight,
-            "queue_delay_ms": round(estimate.queue_delay_s * 1000, 3), "scraped_fresh": estimate.scraped_fresh}
+def _estimates_log(state: RoutingState, candidates: list[str]) -> dict:
+    """Each candidate's load estimate (tracker.estimate's fields), all in one pass of the tracker."""
+    tracker, now = state.tracker, state.clock()
+    loads, delays = tracker.loads_and_delays(candidates, now)
+    stale_after_s = tracker.model.stale_after_s
+    out = {}
+    for name, in_flight, delay_s in zip(candidates, loads, delays):
+        load = tracker.replicas[name]  # loads_and_delays made it if it was missing
+        out[name] = {"waiting": load.waiting, "pending_prefill_tokens": load.pending_prefill_tokens,
+                     "decoding": load.decoding, "in_flight": int(in_flight),
+                     "queue_delay_ms": round(delay_s * 1000, 3), "scraped_fresh": now - load.scraped.at_s <= stale_after_s}
+    return out

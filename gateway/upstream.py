@@ -1,5 +1,6 @@
-"""The replicas behind the gateway: one keep-alive HTTP pool, and per replica what the gateway
-has learned (served models, max_model_len, tokenizer, default max_tokens) and whether it is in
+"""The replicas behind the gateway: keep-alive HTTP pools (gateway/http_client.py's lean client for
+the requests the gateway proxies; aiohttp's for probes, scrapes and prefill legs), and per replica
+what the gateway has learned (served models, max_model_len, tokenizer, default max_tokens) and whether it is in
 rotation (gateway/health.py: active probes every probe_interval_s, and what requests report)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import structlog
 
 from gateway.config import Config, HealthSection, ReplicaSpec
 from gateway.health import STATES, HealthPolicy, ReplicaHealth
+from gateway.http_client import Origin, UpstreamClient
 from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
 
@@ -39,6 +41,7 @@ class ReplicaState:
         self.spec = spec
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
+        self.origin = Origin(self.base_url)   # where the proxy's client connects
         self.health = ReplicaHealth(policy, time.monotonic())
         self.models: list[str] = []
         self.max_model_len: int | None = None
@@ -73,6 +76,7 @@ class ReplicaPool:
         self.replicas = [ReplicaState(spec, self.policy) for spec in config.replicas]
         self.by_name = {replica.name: replica for replica in self.replicas}
         self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None   # the proxied requests' pool
         self.all_ready = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}  # replica name -> its watcher
 
@@ -87,6 +91,7 @@ class ReplicaPool:
             connector=connector, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, connect=gateway.connect_timeout_s,
                                           sock_connect=gateway.connect_timeout_s))
+        self.client = UpstreamClient(connect_timeout_s=gateway.connect_timeout_s, idle_timeout_s=60.0)
         for replica in self.replicas:
             self._show_state(replica)
         self._tasks = {replica.name: asyncio.create_task(self._watch(replica), name=f"watch-{replica.name}")
@@ -99,6 +104,8 @@ class ReplicaPool:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
     def apply(self, config: Config) -> tuple[list[str], list[str]]:
         """Hot reload: follow the replica list (names added or removed; an entry whose url, model or

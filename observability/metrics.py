@@ -1,5 +1,16 @@
-"""The gateway's Prometheus metrics, in their own registry so tests and embedders can run several."""
+"""The gateway's Prometheus metrics, in their own registry so tests and embedders can run several.
+
+Per request the gateway touches a handful of labelled series; `labels()` validates and looks up
+its arguments each time (~2.5 us), so the hot ones are looked up once per label set and kept
+(`replica_in_flight`, `replica_counter`). A finished request's figures (count by replica and
+status, TTFT, inter-token gaps, latency, tokens) are added to plain Python totals under one lock,
+and folded into the Prometheus series every FLUSH_EVERY requests and whenever the registry is
+collected (a /metrics scrape, a worker's snapshot): ~12 locked updates per request become a few
+per batch, and what a scrape reads is always complete."""
 from __future__ import annotations
+
+import threading
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -13,12 +24,29 @@ E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0
                  60.0, 90.0, 120.0, 240.0, 480.0, 960.0)
 
 
+FLUSH_EVERY = 256  # finished requests folded into the series at once (and at every collection)
+
+
+class _FlushFirst:
+    """Registered before every metric: collecting the registry folds the pending totals in first."""
+
+    def __init__(self, metrics: "GatewayMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        self.metrics.flush()
+        return []
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._lock = threading.Lock()
+        self._reset_pending()
+        r.register(_FlushFirst(self))
         self.requests = Counter("kvgate_requests", "Requests answered, by replica and HTTP status.",
                                 ["replica", "status"], registry=r)
         self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Time to first token (streams).",
@@ -79,15 +107,65 @@ class GatewayMetrics:
         self.restarts = Counter("kvgate_replica_restarts", "Launched replicas restarted after they exited.",
                                 ["replica"], registry=r)
 
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *values: str):
+        """metric.labels(*values), looked up once (series are never removed from these metrics)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def replica_in_flight(self, replica: str):
+        return self._child(self.in_flight, replica)
+
+    def replica_counter(self, metric, replica: str):
+        return self._child(metric, replica)
+
     def observe_request(self, *, replica: str | None, status: int, ttft_s: float | None,
                         itl_s: list[float], e2e_s: float, prompt_tokens: int | None,
                         completion_tokens: int | None) -> None:
-        self.requests.labels(replica=replica or "none", status=str(status)).inc()
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        for gap in itl_s:
-            self.itl.observe(gap)
-        self.e2e.observe(e2e_s)
+        key = (replica or "none", status)
+        with self._lock:
+            counts = self._counts
+            counts[key] = counts.get(key, 0) + 1
+            if ttft_s is not None:
+                self._ttft.append(ttft_s)
+            if itl_s:
+                self._itl += itl_s
+            self._e2e.append(e2e_s)
+            if prompt_tokens:
+                self._prompt_tokens += prompt_tokens
+            if completion_tokens:
+                self._completion_tokens += completion_tokens
+            self._pending += 1
+            full = self._pending >= FLUSH_EVERY
+        if full:
+            self.flush()
+
+    def _reset_pending(self) -> None:
+        self._counts: dict[tuple[str, int], int] = {}
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
+        self._e2e: list[float] = []
+        self._prompt_tokens = 0
+        self._completion_tokens = 0
+        self._pending = 0
+
+    def flush(self) -> None:
+        """Fold the finished requests' pending totals into the Prometheus series."""
+        with self._lock:
+            if not self._pending:
+                return
+            counts, ttft, itl, e2e = self._counts, self._ttft, self._itl, self._e2e
+            prompt_tokens, completion_tokens = self._prompt_tokens, self._completion_tokens
+            self._reset_pending()
+        for (replica, status), count in counts.items():
+            self._child(self.requests, replica, str(status)).inc(count)
+        for histogram, values in ((self.ttft, ttft), (self.itl, itl), (self.e2e, e2e)):
+            if values:
+                observe_many(histogram, values)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         if completion_tokens:
@@ -95,3 +173,23 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """histogram.observe(v) for each value, with one update per bucket touched: a bisect per
+    value, then each bucket's count and the sum incremented once (prometheus_client's Histogram
+    keeps `_upper_bounds`, `_buckets` and `_sum`; without them, one observe per value)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(values) < 3:
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect_left(bounds, value)  # the first bound >= value (the last one is +Inf)
+        counts[index] = counts.get(index, 0) + 1
+    for index, count in counts.items():
+        buckets[index].inc(count)
+    total.inc(sum(values))

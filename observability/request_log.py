@@ -11,6 +11,8 @@ from typing import Literal
 import structlog
 import xxhash
 
+from observability.logs import json_sink
+
 TokenIdPolicy = Literal["full", "hashed", "off"]
 
 
@@ -84,16 +86,17 @@ class RequestRecord:
         return end - self.started_s
 
     def as_fields(self, token_ids: TokenIdPolicy) -> dict:
-        def ms(seconds: float | None) -> float | None:
-            return None if seconds is None else round(seconds * 1000.0, 3)
-
+        first, started, itl = self.first_token_s, self.started_s, self.itl_s
+        end = self.finished_s if self.finished_s is not None else time.perf_counter()
         fields = {
             "request_id": self.request_id, "model": self.model, "replica": self.replica,
             "endpoint": self.endpoint, "stream": self.stream, "status": self.status,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens, "ttft_ms": ms(self.ttft_s), "e2e_ms": ms(self.e2e_s),
-            "itl_mean_ms": ms(sum(self.itl_s) / len(self.itl_s)) if self.itl_s else None,
-            "itl_max_ms": ms(max(self.itl_s)) if self.itl_s else None,
+            "cached_tokens": self.cached_tokens,
+            "ttft_ms": None if first is None else round((first - started) * 1000.0, 3),
+            "e2e_ms": round((end - started) * 1000.0, 3),
+            "itl_mean_ms": round(sum(itl) / len(itl) * 1000.0, 3) if itl else None,
+            "itl_max_ms": round(max(itl) * 1000.0, 3) if itl else None,
             "finish_reason": self.finish_reason, "routing": self.routing,
         }
         if self.key is not None:
@@ -117,10 +120,15 @@ class RequestRecord:
 
 
 class RequestLog:
-    """Emits records with the configured token-ID policy; a second emit of one record is a no-op."""
+    """Emits records with the configured token-ID policy; a second emit of one record is a no-op.
+
+    In JSON mode a record goes straight to the log writer (observability/logs.py json_sink: one
+    msgspec encode on the loop, the write on the writer thread); otherwise, or with a `logger` of
+    its own, through structlog."""
 
     def __init__(self, token_ids: TokenIdPolicy = "full", logger=None) -> None:
         self.token_ids = token_ids
+        self._own_logger = logger is not None
         self._log = logger or structlog.get_logger("kvgate.request")
 
     def emit(self, record: RequestRecord) -> bool:
@@ -129,5 +137,9 @@ class RequestLog:
         record._emitted = True
         if record.finished_s is None:
             record.finished_s = time.perf_counter()
-        self._log.info("request", **record.as_fields(self.token_ids))
+        sink = None if self._own_logger else json_sink()
+        if sink is not None:
+            sink.info("request", record.as_fields(self.token_ids))
+        else:
+            self._log.info("request", **record.as_fields(self.token_ids))
         return True

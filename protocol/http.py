@@ -83,7 +83,9 @@ class OpenAIErrorsSite(web.TCPSite):
         await web.BaseSite.start(self)  # registers the site with its runner
         loop = asyncio.get_running_loop()
         server = self._runner.server
-        handler_class, kwargs = self._handler_class, self._handler_kwargs
+        # The runner's own handler arguments (access_log=None, ...) first: a custom factory that
+        # dropped them would switch aiohttp's access log back on (a stdlib log line per request).
+        handler_class, kwargs = self._handler_class, {**server._kwargs, **self._handler_kwargs}
 
         def protocol() -> RequestHandler:
             return handler_class(server, loop=loop, **kwargs)

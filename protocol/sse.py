@@ -13,28 +13,23 @@ def event(obj) -> bytes:
 
 
 class EventSplitter:
-    """Cuts a byte stream into complete SSE events (split on blank lines), whatever the TCP chunking."""
+    """Cuts a byte stream into complete SSE events (split on blank lines), whatever the TCP
+    chunking: one split per read, however many events it carries."""
+    __slots__ = ("_buffer",)
 
     def __init__(self) -> None:
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buffer += chunk
-        if b"\n\n" not in self._buffer and b"\r\n\r\n" not in self._buffer:
+        data = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in data:  # CRLF framing (a CR held back at the end joins its LF next time)
+            data = data.replace(b"\r\n", b"\n")
+        if b"\n\n" not in data:
+            self._buffer = data
             return []
-        data = self._buffer.replace(b"\r\n", b"\n")
         *events, self._buffer = data.split(b"\n\n")
         return [e for e in events if e.strip()]
 
     def flush(self) -> list[bytes]:
         rest, self._buffer = self._buffer.strip(), b""
         return [rest] if rest else []
-
-
-def data_of(event_bytes: bytes) -> bytes | None:
-    """The payload of an event's `data:` lines joined, or None for comments/empty events."""
-    parts = []
-    for line in event_bytes.split(b"\n"):
-        if line.startswith(b"data:"):
-            parts.append(line[5:].lstrip(b" "))
-    return b"\n".join(parts) if parts else None

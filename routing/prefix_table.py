@@ -42,6 +42,7 @@ _MASK64 = (1 << 64) - 1
 _SHIFT32 = np.uint64(32)
 _ZERO = np.uint64(0)
 _GUESS_RECORD = np.dtype([("guessed", _U64), ("stamp", np.uint32)])  # packed: 12 bytes
+_SMALL_INSERT = 16  # inserts of at most this many blocks try the scalar path first (see _touch)
 
 
 def _cell(slot):
@@ -297,6 +298,8 @@ class PrefixTable:
 
         A guess never downgrades a block a KV event confirmed; a confirmation clears the guess."""
         ring = self._rings[replica]
+        if len(hashes) <= _SMALL_INSERT and self._touch(replica, hashes, guessed, now):
+            return
         bit = _ONE << _U64(self._index[replica])
         keys = np.unique(as_block_keys(hashes))
         if keys.size == 0:
@@ -328,6 +331,46 @@ class PrefixTable:
         self._sizes[replica] += int(ring_entries.size)
         if new_keys.size:
             self._place(new_keys, bit, bit if guessed else _U64(0), tick)
+
+    def _touch(self, replica: str, hashes, guessed: bool, now: float) -> bool:
+        """insert() of a few blocks the replica already holds (a repeated prompt's guess, the common
+        case of commit) in scalar Python: the numpy path's ~15 array calls cost ~50 us for 2 blocks,
+        this ~1 us a block. Same effect: stamps touched, a confirmation clears the guess. False (and
+        nothing changed) when a block is absent or not held by the replica: the numpy path runs."""
+        index = self._index[replica]
+        slots = []
+        for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes):
+            slot = self._slot_held(int(key) or 1, index)
+            if slot < 0:
+                return False
+            slots.append(slot)
+        if len(slots) > len(self._rings[replica].hashes):
+            return False
+        tick = self._tick(now)
+        stamp = self._stamp
+        if guessed:
+            self._guessing |= 1 << index
+            for slot in slots:
+                stamp[slot] = tick
+        else:
+            keep = ~(_ONE << _U64(index))
+            guesses = self._guessed
+            for slot in slots:
+                stamp[slot] = tick
+                guesses[slot] &= keep
+        return True
+
+    def _slot_held(self, key: int, index: int) -> int:
+        """The flat slot of `key` if the replica with bit `index` holds it, else -1 (scalar _lookup)."""
+        mixed = (key * _MIX_INT) & _MASK64
+        nb = self._nb
+        for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
+            bucket = (half * nb) >> 32
+            row = self._lines[bucket].tolist()  # key, held, key, held, ...
+            for lane in range(SLOTS_PER_BUCKET):
+                if row[2 * lane] == key:
+                    return bucket * SLOTS_PER_BUCKET + lane if row[2 * lane + 1] >> index & 1 else -1
+        return -1
 
     def remove(self, replica: str, hashes) -> None:
         """The replica evicted these blocks (BlockRemoved)."""

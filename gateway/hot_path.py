@@ -1,0 +1,576 @@
+"""The two endpoints every request uses, POST /v1/completions and /v1/chat/completions, served on
+the gateway's own HTTP/1.1 connection protocol; everything else is aiohttp's.
+
+Why: aiohttp's server costs ~65 us per request on a 2-core box before any handler code runs (a
+task per request, request and response objects, header multidicts, the middleware chain, the
+response's prepare and writer), against ~10 us for a protocol that parses the head and writes the
+answer in one transport.write (bench/vs_routers.py prints both). The gateway's budget per request
+is about what a Rust router spends in all, so the hot path cannot afford it.
+
+Every connection starts on `HotProtocol`. A request it takes is exactly this shape:
+
+    POST /v1/completions (or /v1/chat/completions) HTTP/1.1, one Content-Length (within
+    gateway.max_body_bytes), no Transfer-Encoding, Expect or Upgrade, header lines of printable
+    ASCII within limits.max_headers / max_header_bytes
+
+Anything else (another path or method, HTTP/1.0, chunked bodies, odd or oversized headers, bytes
+that are not HTTP at all) hands the connection over to aiohttp for good: a GuardedHandler takes the
+transport and gets the bytes received so far, so every refusal, limit and route stays aiohttp's
+and the app's (gateway/limits.py, gateway/front_door.py); the proxy's aiohttp routes serve the
+hot endpoints on such connections too. A hot request passes the same front door as on aiohttp
+(request id, API key and requests/min, session header length, JSON shape, tokens/min settled
+after), the app's on_response_prepare hooks add their headers, and the connection keeps every
+limit GuardedHandler enforces (per-client cap, header timeout, body timeout, keep-alive timeout).
+A client that hangs up cancels its request (the upstream request closes); a graceful shutdown
+waits for the requests in flight (the connections are registered with aiohttp's server).
+
+If the app has a middleware the hot path does not know, it serves nothing itself (HotPath.of)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+
+import msgspec
+import httptools
+from aiohttp import web
+from aiohttp.tcp_helpers import tcp_keepalive
+from multidict import CIMultiDict
+
+from gateway.auth import GRANT
+from gateway.exchange import ClientGone, Exchange
+from gateway.front_door import REQUEST_ID, FrontDoor
+from gateway.limits import (_CHUNK, GuardedHandler, _raw_error, check_json_shape, checked_request_id,
+                            new_request_id)
+from observability.request_log import RequestRecord
+from protocol.errors import APIError, RequestTimeout
+from protocol.http import openai_errors
+from protocol.requests import decode_chat, decode_completion
+
+_ENDPOINTS = {b"/v1/completions": ("/v1/completions", decode_completion),
+              b"/v1/chat/completions": ("/v1/chat/completions", decode_chat)}
+_HANDED_OFF = {"transfer-encoding", "expect", "upgrade"}
+_encode = msgspec.json.Encoder().encode
+
+
+class HotPath:
+    """The app's pieces a hot request goes through: the front door's steps, the proxy, the app's
+    on_response_prepare hooks."""
+
+    def __init__(self, app: web.Application, door: FrontDoor) -> None:
+        self.app = app
+        self.door = door
+        self.proxy = app["proxy"]
+        self.hooks = tuple(app.on_response_prepare)
+
+    @classmethod
+    def of(cls, app: web.Application) -> "HotPath | None":
+        """The app's hot path, or None when it has a middleware other than openai_errors and the
+        front door's (a hot request would skip it) or no proxy."""
+        door = None
+        for middleware in app.middlewares:
+            owner = getattr(middleware, "__self__", None)
+            if middleware is openai_errors:
+                continue
+            if isinstance(owner, FrontDoor) and getattr(middleware, "__func__", None) is FrontDoor.middleware:
+                door = owner
+                continue
+            return None
+        if door is None or "proxy" not in app:
+            return None
+        return cls(app, door)
+
+    async def serve(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict, body: bytes,
+                    keep_alive: bool) -> None:
+        """One request, through the front door's steps (gateway/front_door.py, in its order)."""
+        endpoint, decode = _ENDPOINTS[target]
+        door = self.door
+        request_id = checked_request_id(headers.get("x-request-id")) or new_request_id()
+        request = _HotRequest(headers, endpoint)
+        request[REQUEST_ID] = request_id
+        exchange = HotExchange(conn, request, request_id, keep_alive, self.hooks)
+        try:
+            grant = door.gate.authenticate(request)
+        except APIError as err:
+            await self.refuse(exchange, endpoint, err)
+            return
+        request[GRANT] = exchange.grant = grant
+        try:
+            door._check_session_key(request)
+            limits = door.guard.limits
+            if len(body) > _CHUNK:  # the exact scan of a big body takes up to ~0.3 s: not on the loop
+                await asyncio.get_running_loop().run_in_executor(
+                    None, check_json_shape, body, limits.max_json_depth, limits.max_json_containers)
+            else:
+                check_json_shape(body, limits.max_json_depth, limits.max_json_containers)
+        except APIError as err:
+            await self.refuse(exchange, endpoint, err, grant.key.name if grant.key else None)
+            return
+        exchange.body_bytes = body
+        try:
+            await self.proxy.handle(exchange, endpoint, decode)
+        finally:
+            grant.settle()
+
+    async def refuse(self, exchange: "HotExchange", path: str, err: APIError, key: str | None = None) -> None:
+        """What FrontDoor._refused does: the request's one record, its metrics, the error."""
+        door = self.door
+        record = RequestRecord(exchange.request_id, path)
+        record.key = key
+        record.fail(err.status, err.message)
+        door.request_log.emit(record)
+        door.metrics.observe_request(replica=None, status=err.status, ttft_s=None, itl_s=[], e2e_s=record.e2e_s,
+                                     prompt_tokens=None, completion_tokens=None)
+        await exchange.respond_error(err, {})
+
+    async def body_timed_out(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict) -> None:
+        """The head came, the body did not within limits.body_timeout_s: 408 (or the key's refusal,
+        which the front door gives before it reads a body), and the connection closes."""
+        endpoint, _ = _ENDPOINTS[target]
+        request_id = checked_request_id(headers.get("x-request-id")) or new_request_id()
+        request = _HotRequest(headers, endpoint)
+        request[REQUEST_ID] = request_id
+        exchange = HotExchange(conn, request, request_id, False, self.hooks)
+        try:
+            grant = self.door.gate.authenticate(request)
+        except APIError as err:
+            await self.refuse(exchange, endpoint, err)
+            return
+        request[GRANT] = grant
+        limits = self.door.guard.limits
+        await self.refuse(exchange, endpoint, RequestTimeout(
+            f"The request body did not arrive within {limits.body_timeout_s:g} s (limits.body_timeout_s).",
+            code="body_timeout"), grant.key.name if grant.key else None)
+
+
+class _Head:
+    """llhttp's callbacks for one request head: the target, the header pairs, whether it is
+    HTTP/1.1 POST ASCII within the size limits."""
+    __slots__ = ("url", "pairs", "longest", "ascii", "complete")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.pairs: list[tuple[str, str]] = []
+        self.longest = 0
+        self.ascii = True
+        self.complete = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value) + 2
+        if size > self.longest:
+            self.longest = size
+        if not (name.isascii() and value.isascii()):
+            self.ascii = False
+        self.pairs.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+class _HotRequest(dict):
+    """What the front door's pieces and on_response_prepare hooks read of a request: its headers,
+    path and method, and request state (this dict)."""
+    __slots__ = ("headers", "path")
+    method = "POST"
+
+    def __init__(self, headers: CIMultiDict, path: str) -> None:
+        super().__init__()
+        self.headers = headers
+        self.path = path
+
+    def __hash__(self) -> int:  # hooks may keep requests in sets or as keys, as aiohttp's are
+        return id(self)
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+
+class _HotResponse:
+    """What on_response_prepare hooks see of a response: its status and headers (to add to)."""
+    __slots__ = ("status", "headers")
+
+    def __init__(self, status: int, headers: CIMultiDict) -> None:
+        self.status = status
+        self.headers = headers
+
+
+class HotExchange(Exchange):
+    __slots__ = ("conn", "request", "request_id", "headers", "grant", "streaming", "body_bytes", "keep_alive",
+                 "hooks")
+
+    def __init__(self, conn: "HotProtocol", request: _HotRequest, request_id: str, keep_alive: bool,
+                 hooks: tuple) -> None:
+        self.conn = conn
+        self.request = request
+        self.request_id = request_id
+        self.headers = request.headers
+        self.grant = None
+        self.streaming = False
+        self.body_bytes = b""
+        self.keep_alive = keep_alive
+        self.hooks = hooks
+
+    async def body(self) -> bytes:
+        return self.body_bytes
+
+    async def _head(self, status: int, headers: dict, framing: str) -> bytes:
+        response = _HotResponse(status, CIMultiDict(headers))
+        for hook in self.hooks:
+            await hook(self.request, response)
+        lines = [_STATUS_LINES.get(status) or _status_line(status)]
+        for name, value in response.headers.items():
+            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                raise ValueError(f"header {name!r} holds a line break")
+            lines.append(f"{name}: {value}")
+        lines.append(framing)
+        lines.append(_http_date())
+        if not self.keep_alive or self.conn.closing:
+            lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def open_stream(self, headers: dict[str, str]) -> None:
+        head = await self._head(200, headers, "Transfer-Encoding: chunked")
+        self.streaming = True
+        self.conn.send(head)
+
+    async def write(self, data: bytes) -> None:
+        conn = self.conn
+        conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+        if conn.write_paused:
+            await conn.drain()
+
+    async def close_stream(self) -> None:
+        try:
+            self.conn.send(b"0\r\n\r\n")
+        except ClientGone:
+            pass
+        self.conn.response_done(self.keep_alive)
+
+    async def respond(self, status: int, body: bytes, headers: dict[str, str],
+                      content_type: str = "application/json") -> None:
+        head = await self._head(status, {**headers, "Content-Type": content_type},
+                                f"Content-Length: {len(body)}")
+        try:
+            self.conn.send(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                self.conn.send(body)
+        except ClientGone:
+            pass  # it hung up: nothing to answer (the record already has its outcome)
+        self.conn.response_done(self.keep_alive)
+
+    async def respond_error(self, err: APIError, headers: dict[str, str]) -> None:
+        extra = dict(err.headers)
+        if err.retry_after_s is not None:
+            extra["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+        if isinstance(err, RequestTimeout):
+            self.keep_alive = False
+        await self.respond(err.status, _encode(err.body()), {**extra, **headers},
+                           content_type="application/json; charset=utf-8")
+
+
+_STATUS_LINES: dict[int, str] = {}
+
+
+def _status_line(status: int) -> str:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Unknown"
+    line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {reason}"
+    return line
+
+
+_date = [0, ""]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _date[0] != now:
+        _date[0], _date[1] = now, "Date: " + formatdate(now, usegmt=True)
+    return _date[1]
+
+
+def set_no_delay(transport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event leaves at once
+
+
+class HotProtocol(asyncio.Protocol):
+    """One client connection: hot requests served here, anything else handed to aiohttp."""
+
+    def __init__(self, server, *, loop: asyncio.AbstractEventLoop, guard, hot: HotPath, handler_kwargs: dict) -> None:
+        self._server = server          # aiohttp's Server: its shutdown waits for our requests too
+        self._loop = loop
+        self._guard = guard
+        self._hot = hot
+        self._handler_kwargs = handler_kwargs
+        self.transport: asyncio.Transport | None = None
+        self._ip: str | None = None
+        self._buffer = b""
+        self._head: tuple | None = None       # a parsed head whose body is still arriving
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""                 # "head", "body" or "idle": what _deadline is for
+        self._deadline = 0.0
+        self._handed = False
+        self._refused = False
+        self._read_paused = False
+        self.write_paused = False
+        self._drain_waiter: asyncio.Future | None = None
+        self.closing = False                  # close once the current response is out
+        self._task_handler = None             # what aiohttp's Server reads of its connections
+
+    # ---- asyncio protocol ------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        ip = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
+        if not self._guard.open(ip):
+            self._refused = True
+            limit = self._guard.limits.max_connections_per_client
+            transport.write(_raw_error(429, "Too Many Requests",
+                                       f"Too many open connections from {ip} (limit {limit}); close some "
+                                       "or reuse them (keep-alive).", "too_many_connections", 1))
+            # Close a moment later, reading (and dropping) what the client sends meanwhile: closing a
+            # socket with unread data resets it, and the client would see a reset, not the 429.
+            self._loop.call_later(0.5, transport.close)
+            return
+        self._ip = ip
+        self.transport = transport
+        tcp_keepalive(transport)
+        set_no_delay(transport)
+        self._server.connection_made(self, transport)
+        self._expect("head", self._guard.limits.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self._handed:
+            return
+        self._buffer = self._buffer + data if self._buffer else data
+        if self._task is None:
+            self._next()
+        elif len(self._buffer) > self._guard.max_body_bytes + 65536 and not self._read_paused:
+            self._read_paused = True  # a client pipelining more than a request ahead: wait for it
+            self.transport.pause_reading()
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self._refused:
+            return
+        self.transport = None
+        self._stop_timer()
+        if self._ip is not None:
+            self._guard.close(self._ip)
+            self._ip = None
+        self._server.connection_lost(self, exc)
+        if self._task is not None:
+            self._task.cancel()  # the client hung up: its handler is cancelled (the replica's request closes)
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
+    # ---- aiohttp's Server calls these at shutdown ------------------------------------------------
+    def close(self) -> None:
+        """Close once idle (now, if it is)."""
+        self.closing = True
+        if self._task is None and self.transport is not None:
+            self.transport.close()
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """Give the request in flight `timeout` seconds to finish, then cancel it; close."""
+        self.closing = True
+        self._stop_timer()
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            if not task.done():
+                task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---- writing (HotExchange) -------------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone()
+        transport.write(data)
+
+    async def drain(self) -> None:
+        while self.write_paused and self.transport is not None:
+            waiter = self._drain_waiter = self._loop.create_future()
+            await waiter
+        if self.transport is None:
+            raise ClientGone()
+
+    def _wake_drain(self) -> None:
+        waiter, self._drain_waiter = self._drain_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def response_done(self, keep_alive: bool) -> None:
+        if not keep_alive:
+            self.closing = True
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _next(self) -> None:
+        """Idle, with bytes in the buffer: take the next request if it is a hot one and complete."""
+        buffer = self._buffer
+        if self._head is None:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > 16384 or b"\r\n" not in buffer[:8192] and len(buffer) > 8192:
+                    self._hand_over()  # a head this long is aiohttp's to refuse
+                elif self._timer_kind != "head":
+                    self._expect("head", self._guard.limits.header_timeout_s)  # a head has begun
+                return
+            head = self._parse_head(buffer, end)
+            if head is None:
+                self._hand_over()
+                return
+            self._head = head
+            self._disarm()
+        target, headers, length, keep_alive, body_at = self._head
+        if len(buffer) < body_at + length:
+            if self._timer_kind != "body":
+                self._expect("body", self._guard.limits.body_timeout_s)
+            return
+        self._disarm()
+        self._head = None
+        body = buffer[body_at:body_at + length]
+        self._buffer = buffer[body_at + length:]
+        task = self._task = self._loop.create_task(self._hot.serve(self, target, headers, body, keep_alive))
+        task.add_done_callback(self._request_done)
+
+    def _request_done(self, task: asyncio.Task) -> None:
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:  # the proxy records its own errors
+            self._loop.call_exception_handler({"message": "hot path request failed", "exception": task.exception(),
+                                               "protocol": self})
+            self.closing = True
+        if self.transport is None:
+            return
+        if self.closing:
+            self.transport.close()
+            return
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+        if self._buffer:
+            self._next()
+        else:
+            self._expect("idle", self._guard.limits.keepalive_timeout_s)
+
+    def _parse_head(self, buffer: bytes, end: int) -> tuple | None:
+        """(target, headers, content length, keep-alive, body offset) of a head the hot path
+        serves, else None (aiohttp's). The head is checked by llhttp (httptools), the parser
+        aiohttp itself runs on, so nothing it would refuse is taken here."""
+        if not buffer.startswith(b"POST /v1/"):
+            return None
+        head = _Head()
+        parser = httptools.HttpRequestParser(head)
+        try:
+            parser.feed_data(buffer[:end + 4])
+        except httptools.HttpParserError:
+            return None
+        target = head.url
+        if target not in _ENDPOINTS or not head.complete or parser.get_http_version() != "1.1" \
+                or parser.get_method() != b"POST":
+            return None
+        limits = self._guard.limits
+        pairs = head.pairs
+        if len(pairs) > limits.max_headers or head.longest > limits.max_header_bytes or not head.ascii:
+            return None
+        headers = CIMultiDict(pairs)
+        if any(name in headers for name in _HANDED_OFF):
+            return None
+        lengths = headers.getall("content-length", ())
+        if len(lengths) != 1 or not lengths[0].isdigit():
+            return None
+        length = int(lengths[0])
+        if length > self._guard.max_body_bytes:
+            return None  # the front door's 413 (and its connection close) is aiohttp's to send
+        keep_alive = "close" not in headers.get("connection", "").lower()
+        return target, headers, length, keep_alive, end + 4
+
+    def _hand_over(self) -> None:
+        """From now on this connection is aiohttp's: a GuardedHandler takes the transport and the
+        bytes received so far."""
+        self._handed = True
+        self._stop_timer()
+        transport = self.transport
+        handler = GuardedHandler(self._server, loop=self._loop, guard=self._guard, **self._handler_kwargs)
+        self._guard.close(self._ip)  # the handler counts the connection itself
+        self._ip = None
+        self._server.connection_lost(self, None)
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self._read_paused:
+            transport.resume_reading()
+        data, self._buffer = self._buffer, b""
+        if data:
+            handler.data_received(data)
+
+    # ---- timers ----------------------------------------------------------------------------------
+    # One deadline per connection (head, body or idle) and at most one timer behind it, re-armed
+    # when it fires early: a request that arrives whole costs two float stores, not a timer.
+    def _expect(self, kind: str, seconds: float) -> None:
+        at = self._loop.time() + seconds
+        self._timer_kind, self._deadline = kind, at
+        timer = self._timer
+        if timer is None or timer.when() > at:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(at, self._timed_out)
+
+    def _disarm(self) -> None:
+        self._timer_kind = ""  # the timer, if any, finds nothing to do when it fires
+
+    def _stop_timer(self) -> None:
+        self._timer_kind = ""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        kind = self._timer_kind
+        transport = self.transport
+        if not kind or transport is None or self._task is not None or self._handed:
+            return
+        if self._loop.time() < self._deadline:  # the deadline moved since this timer was set
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+            return
+        self._timer_kind = ""
+        if kind == "idle":
+            transport.close()
+        elif kind == "head":
+            self._guard.head_timeouts += 1
+            seconds = self._guard.limits.header_timeout_s
+            transport.write(_raw_error(408, "Request Timeout", f"The request head did not arrive within "
+                                       f"{seconds:g} s (limits.header_timeout_s).", "header_timeout"))
+            transport.close()
+        elif kind == "body" and self._head is not None:
+            target, headers = self._head[0], self._head[1]
+            self._head = None
+            self._buffer = b""
+            self.closing = True
+            self.transport.pause_reading()
+            task = self._task = self._loop.create_task(self._hot.body_timed_out(self, target, headers))
+            task.add_done_callback(self._request_done)

@@ -1,0 +1,392 @@
+"""The gateway's HTTP/1.1 client to its replicas: pooled keep-alive connections on asyncio
+protocols (uvloop's), built for one job: POST a JSON body, read a status, a few headers and a
+body (Content-Length, chunked, or up to the close), often a stream of SSE events.
+
+Why not aiohttp's client: per request it builds a ClientRequest, a ClientResponse, header
+multidicts, a timer context, a StreamReader with its own buffer list, and it yields once per
+chunk of the stream; that was ~150 us of the gateway's ~1.6 ms per request on a 2-core box
+(py-spy, bench/vs_routers.py). Here a request is one write of the head and body, and the
+response is parsed (llhttp) straight from the socket's reads: one wake-up per read, whatever
+number of chunks it carries.
+
+    client = UpstreamClient(connect_timeout_s=5)
+    response = await client.post(origin, "/v1/completions", body, request_id)
+    while data := await response.read_some(): ...   # decoded body bytes, as they arrive
+    response.release()                               # back to the pool if complete, else closed
+
+Connections are reused LIFO (the most recently used is the one least likely to have been closed
+by the replica's idle timeout), closed after `idle_timeout_s` idle, and a request whose reused
+connection turns out dead before any byte of its answer (closed by the replica meanwhile) is
+sent once more on a fresh connection. Reads are cancellable without losing data: what arrived
+stays buffered for the next `read_some`."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from urllib.parse import urlsplit
+
+import httptools
+
+# Body bytes buffered for a reader that does not keep up (a slow client downstream): past the
+# high mark the socket stops being read, so a replica's stream backs up to the replica.
+_HIGH_WATER = 1 << 20
+
+
+class HttpClientError(Exception):
+    """The exchange with the replica failed (no complete answer)."""
+
+
+class ConnectFailed(HttpClientError):
+    """No connection could be opened; `os_error` says why (ConnectionRefusedError: nothing listens)."""
+
+    def __init__(self, message: str, os_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.os_error = os_error
+
+    @property
+    def refused(self) -> bool:
+        return isinstance(self.os_error, ConnectionRefusedError)
+
+
+class ConnectTimeout(ConnectFailed):
+    """The connection was not made within the connect timeout."""
+
+
+class Disconnected(HttpClientError):
+    """The connection closed (or reset) before the answer was complete."""
+
+
+class BadResponse(HttpClientError):
+    """The replica's answer is not HTTP/1.x as this client reads it."""
+
+
+class Origin:
+    """Where a replica listens, parsed once: scheme, host, port, path prefix, Host header."""
+    __slots__ = ("host", "port", "tls", "prefix", "host_header", "key")
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/")
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        default = (443 if self.tls else 80)
+        self.host_header = shown if self.port == default else f"{shown}:{self.port}"
+        self.key = (self.host, self.port, self.tls)
+
+
+class UpstreamClient:
+    def __init__(self, connect_timeout_s: float, idle_timeout_s: float = 60.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._idle: dict[tuple, list[_Connection]] = {}
+        self._closed = False
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._ssl: ssl.SSLContext | None = None
+
+    async def post(self, origin: Origin, path: str, body: bytes, request_id: str | None = None,
+                   deadline: float | None = None, content_type: str = "application/json") -> "Response":
+        """Send one POST; returns once the status line and headers arrived. Raises ConnectFailed,
+        Disconnected or BadResponse, and TimeoutError past `deadline` (loop time). The caller
+        reads the body and then calls release() or close()."""
+        head = (f"POST {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                + (f"x-request-id: {request_id}\r\n" if request_id else "") + "\r\n").encode("latin-1")
+        while True:
+            conn = self._take_idle(origin.key)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin, deadline)
+            conn.send(head, body)
+            try:
+                await conn.head_arrived(deadline)
+            except Disconnected:
+                conn.close()
+                if reused and not conn.got_bytes:
+                    continue  # the replica had closed that idle connection: once more, on a fresh one
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            return Response(self, conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+
+    # ---- the pool --------------------------------------------------------------------------------
+    def _take_idle(self, key: tuple) -> "_Connection | None":
+        conns = self._idle.get(key)
+        while conns:
+            conn = conns.pop()
+            if conn.reusable():
+                return conn
+            conn.close()
+        return None
+
+    def _give_back(self, conn: "_Connection") -> None:
+        if self._closed or not conn.reusable():
+            conn.close()
+            return
+        conn.idle_since = conn.loop.time()
+        conns = self._idle.get(conn.key)
+        if conns is None:
+            conns = self._idle[conn.key] = []
+        conns.append(conn)
+        if self._sweeper is None:
+            self._sweeper = conn.loop.call_later(self.idle_timeout_s / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle past idle_timeout_s; re-arm while any are left."""
+        self._sweeper = None
+        if not self._idle:
+            return
+        loop = asyncio.get_running_loop()
+        oldest = loop.time() - self.idle_timeout_s
+        for key in list(self._idle):
+            keep = []
+            for conn in self._idle[key]:
+                if conn.idle_since < oldest or not conn.reusable():
+                    conn.close()
+                else:
+                    keep.append(conn)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        if self._idle:
+            self._sweeper = loop.call_later(self.idle_timeout_s / 2, self._sweep)
+
+    async def _connect(self, origin: Origin, deadline: float | None) -> "_Connection":
+        loop = asyncio.get_running_loop()
+        timeout_s = self.connect_timeout_s
+        if deadline is not None and deadline - loop.time() < timeout_s:
+            timeout_s = max(deadline - loop.time(), 0.0)
+            if not timeout_s:
+                raise TimeoutError()
+        tls = None
+        if origin.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            tls = self._ssl
+        try:
+            _transport, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(loop, origin.key), origin.host, origin.port, ssl=tls), timeout_s)
+        except asyncio.TimeoutError:
+            if timeout_s < self.connect_timeout_s:
+                raise TimeoutError() from None  # the caller's deadline, not the connect timeout
+            raise ConnectTimeout(f"connection timeout to {origin.host}:{origin.port} after "
+                                 f"{self.connect_timeout_s:g} s", TimeoutError()) from None
+        except OSError as exc:
+            raise ConnectFailed(f"connect to {origin.host}:{origin.port}: {exc.strerror or exc}", exc) from None
+        return conn
+
+
+class Response:
+    """One answer: `status`, `headers` (lower-case names, last value wins), and its body."""
+    __slots__ = ("_client", "_conn", "status", "headers")
+
+    def __init__(self, client: UpstreamClient, conn: "_Connection") -> None:
+        self._client = client
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+
+    async def read_some(self, deadline: float | None = None) -> bytes:
+        """Body bytes that arrived since the last call (waits for some); b"" once the body is
+        complete. TimeoutError if nothing came by `deadline` (loop time). Cancelling it, or its
+        timing out, loses nothing: what arrives stays for the next call."""
+        return await self._conn.read_some(deadline)
+
+    async def read(self, deadline: float | None = None) -> bytes:
+        parts = []
+        while data := await self._conn.read_some(deadline):
+            parts.append(data)
+        return b"".join(parts)
+
+    @property
+    def complete(self) -> bool:
+        return self._conn.body_done
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to the pool if the answer was read to its end."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.body_done:
+            self._client._give_back(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Abandon the answer: the connection closes (the replica sees it and stops generating)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+_HEAD, _BODY, _DONE = range(3)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the parser of the answer it is reading (llhttp, through
+    httptools: ~0.3 us a chunk where a Python chunk parser took ~1.5; one parser per connection,
+    reused across its answers)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple) -> None:
+        self.loop = loop
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.error: BaseException | None = None
+        self.idle_since = 0.0
+        self._state = _DONE
+        self._body: list[bytes] = []    # one list for the connection's life: on_body is its append
+        self.on_body = self._body.append  # llhttp's body callback, a C call (no Python frame per chunk)
+        self._parser = httptools.HttpResponseParser(self)
+        self._paused = False
+        self._waiter: asyncio.Future | None = None
+        self._keep_alive = True
+        self._to_eof = False       # no Content-Length, not chunked: the body ends with the connection
+        self.got_bytes = False
+        self.status = 0
+        self.headers: dict[str, str] = {}
+
+    # ---- asyncio protocol ------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self._state == _BODY and self._to_eof:
+            self._state = _DONE
+            self._keep_alive = False
+        elif self._state != _DONE and self.error is None:
+            self.error = Disconnected(f"connection closed by the replica: {exc}" if exc
+                                      else "connection closed by the replica")
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self._state == _DONE:  # bytes nobody asked for: the connection is not reusable
+            self._keep_alive = False
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = BadResponse(f"unreadable answer from the replica: {exc}")
+            self._keep_alive = False
+            self.transport.close()
+        self._wake()
+        body = self._body
+        if len(body) > 64 and not self._paused and sum(map(len, body)) > _HIGH_WATER:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self):
+        return False  # close the transport: connection_lost follows
+
+    # ---- llhttp's callbacks ----------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue): the real head follows
+            self.headers = {}
+            return
+        self.status = status
+        headers = self.headers
+        self._to_eof = ("content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "")
+                        and status not in (204, 304))
+        self._state = _BODY
+
+    def on_message_complete(self) -> None:
+        if self._state == _BODY:
+            self._state = _DONE
+            self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
+
+    # ---- one exchange ----------------------------------------------------------------------------
+    def send(self, head: bytes, body: bytes) -> None:
+        self._state = _HEAD
+        self._body.clear()
+        self.got_bytes = False
+        self.status = 0
+        self.headers = {}
+        self._to_eof = False
+        if len(body) <= 65536:
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))
+
+    async def head_arrived(self, deadline: float | None) -> None:
+        while self._state == _HEAD:
+            if self.error is not None:
+                raise self.error
+            if self.lost:
+                raise Disconnected("connection closed by the replica")
+            await self._wait(deadline)
+
+    async def read_some(self, deadline: float | None) -> bytes:
+        while not self._body:
+            if self.error is not None:
+                raise self.error
+            if self._state == _DONE:
+                return b""
+            await self._wait(deadline)
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        if self._paused and not self.lost:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def body_done(self) -> bool:
+        return self._state == _DONE and not self._body and self.error is None
+
+    def reusable(self) -> bool:
+        return (self._keep_alive and not self.lost and self.error is None and self._state == _DONE
+                and self.transport is not None and not self.transport.is_closing())
+
+    def close(self) -> None:
+        self._keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+
+    async def _wait(self, deadline: float | None) -> None:
+        """Until the next read (or close); TimeoutError past `deadline`. One timer per wait that
+        actually waits: no timeout context per read."""
+        loop = self.loop
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -1,0 +1,67 @@
+"""Shortcuts the hot path takes must not change what they stand in for: the prefix table's scalar
+touch of a repeated prompt leaves the table exactly as the array path would, and metrics folded in
+batches read the same as metrics updated one request at a time."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from observability.metrics import FLUSH_EVERY, GatewayMetrics
+from routing import prefix_table
+from routing.hashing import block_hashes
+from routing.prefix_table import PrefixTable
+from tests.test_gateway import metric
+
+
+def _tables() -> tuple[PrefixTable, PrefixTable]:
+    tables = []
+    for _ in range(2):
+        table = PrefixTable(expected_blocks=4096, guess_ttl_s=300.0)
+        for name in ("a", "b", "c"):
+            table.add_replica(name, 64)
+        tables.append(table)
+    return tables
+
+
+def _state(table: PrefixTable) -> tuple:
+    rings = {name: (ring.hashes.tolist(), ring.seen.tolist(), ring.fill, ring.hand) for name, ring in table._rings.items()}
+    return (table._lines.tolist(), table._gs.tolist(), rings, dict(table._sizes), table._guessing)
+
+
+def test_the_scalar_touch_leaves_the_table_as_the_array_path_does(monkeypatch):
+    fast, slow = _tables()
+    rng = random.Random(3)
+    prompts = [np.array(block_hashes([rng.randrange(500) for _ in range(rng.randrange(16, 200))]), dtype=np.uint64)
+               for _ in range(40)]
+    for step in range(600):
+        replica, prompt = rng.choice("abc"), rng.choice(prompts)
+        guessed, now = rng.random() < 0.7, step * 0.37
+        if rng.random() < 0.1:
+            start = rng.randrange(len(prompt))
+            for table in (fast, slow):
+                table.remove(replica, prompt[start:])
+            continue
+        fast.insert(replica, prompt, guessed=guessed, now=now)
+        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
+        slow.insert(replica, prompt, guessed=guessed, now=now)
+        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 16)
+        assert _state(fast) == _state(slow), step
+
+
+@pytest.mark.parametrize("requests", [3, FLUSH_EVERY + 5])
+def test_metrics_folded_in_batches_read_as_if_updated_one_by_one(requests):
+    batched = GatewayMetrics()
+    for n in range(requests):
+        batched.observe_request(replica=f"r{n % 2}", status=200 if n % 5 else 502, ttft_s=0.01 * n,
+                                itl_s=[0.001 * n, 0.2], e2e_s=0.5, prompt_tokens=10, completion_tokens=3)
+    text = batched.render().decode()
+    assert metric(text, "kvgate_requests_total") == requests
+    assert metric(text, "kvgate_requests_total", replica="r1", status="502") == len(
+        [n for n in range(requests) if n % 2 and not n % 5])
+    assert metric(text, "kvgate_inter_token_latency_seconds_count") == 2 * requests
+    assert metric(text, "kvgate_inter_token_latency_seconds_bucket", le="0.1") == len(
+        [n for n in range(requests) if 0.001 * n <= 0.1])
+    assert metric(text, "kvgate_time_to_first_token_seconds_sum") == pytest.approx(sum(0.01 * n for n in range(requests)))
+    assert metric(text, "kvgate_prompt_tokens_total") == 10 * requests

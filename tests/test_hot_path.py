@@ -1,0 +1,158 @@
+"""The gateway's own HTTP/1.1 protocol for the completion endpoints (gateway/hot_path.py), on a
+real gateway in front of stub replicas: requests that arrive pipelined or in pieces are answered
+in order, a connection that asks for anything else is handed to aiohttp and keeps working, and
+every request ends in exactly one record with its token IDs, however many run at once."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import time
+import uuid
+
+import pytest
+
+from bench.stub_backend import StubProcess
+from tests.servers import free_port, run_gateway
+from tests.test_gateway import Gateway, http
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    with contextlib.ExitStack() as stack:
+        stubs = [stack.enter_context(StubProcess(output_tokens=6)) for _ in range(2)]
+        port = free_port()
+        config = tmp_path_factory.mktemp("hot") / "gateway.yaml"
+        config.write_text(
+            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, token_ids: full}}\n"
+            "limits: {body_timeout_s: 1}\nrouting: {policy: cache_aware}\nreplicas:\n"
+            + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: stub}}\n" for i, stub in enumerate(stubs)))
+        server = stack.enter_context(run_gateway(config, port))
+        yield Gateway(server, [])
+
+
+def post(path: str, body: dict, request_id: str, extra: str = "") -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nx-request-id: {request_id}\r\n"
+            f"{extra}Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def read_responses(sock: socket.socket, count: int) -> list[tuple[int, dict, bytes]]:
+    """`count` HTTP responses (Content-Length or chunked bodies) read off one connection."""
+    buffer, out = b"", []
+    while len(out) < count:
+        while b"\r\n\r\n" not in buffer:
+            buffer += _recv(sock)
+        head, buffer = buffer.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        if "content-length" in headers:
+            length = int(headers["content-length"])
+            while len(buffer) < length:
+                buffer += _recv(sock)
+            body, buffer = buffer[:length], buffer[length:]
+        else:
+            body = b""
+            while True:
+                while b"\r\n" not in buffer:
+                    buffer += _recv(sock)
+                size_line, rest = buffer.split(b"\r\n", 1)
+                size = int(size_line, 16)
+                while len(rest) < size + 2:
+                    rest += _recv(sock)
+                body, buffer = body + rest[:size], rest[size + 2:]
+                if size == 0:
+                    break
+        out.append((status, headers, body))
+    return out
+
+
+def _recv(sock: socket.socket) -> bytes:
+    data = sock.recv(65536)
+    assert data, "the gateway closed the connection"
+    return data
+
+
+COMPLETION = {"model": "stub", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 4}
+
+
+def test_pipelined_and_piecemeal_requests_are_answered_in_order(gateway):
+    ids = [f"pipe-{uuid.uuid4().hex[:8]}-{n}" for n in range(4)]
+    with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+        sock.sendall(post("/v1/completions", COMPLETION, ids[0]) + post("/v1/chat/completions", {
+            "model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, ids[1]))
+        piecemeal = post("/v1/completions", {**COMPLETION, "stream": True}, ids[2]) + post(
+            "/v1/completions", COMPLETION, ids[3])
+        for start in range(0, len(piecemeal), 37):  # heads and bodies cut anywhere
+            sock.sendall(piecemeal[start:start + 37])
+            time.sleep(0.002)
+        answers = read_responses(sock, 4)
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert [headers["x-request-id"] for _, headers, _ in answers] == ids
+    assert json.loads(answers[1][2])["object"] == "chat.completion"
+    assert answers[2][1]["content-type"] == "text/event-stream" and answers[2][2].endswith(b"data: [DONE]\n\n")
+    assert b"token_ids" not in answers[2][2] and b"token_ids" not in answers[0][2]
+    for request_id in ids:
+        record = gateway.record(request_id)
+        assert record["status"] == 200 and len(record["output_token_ids"]) in (3, 4) and record["prompt_token_ids"]
+
+
+def test_a_connection_asking_for_anything_else_goes_to_aiohttp_and_keeps_working(gateway):
+    request_id = f"after-health-{uuid.uuid4().hex[:8]}"
+    with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n" + post("/v1/completions", COMPLETION, request_id))
+        (health_status, _, health), (status, headers, body) = read_responses(sock, 2)
+    assert health_status == 200 and json.loads(health)["status"] == "ok"
+    assert status == 200 and headers["x-request-id"] == request_id and json.loads(body)["choices"][0]["text"]
+    assert gateway.record(request_id)["output_token_ids"]
+    # Shapes the hot path leaves to aiohttp: a chunked body, HTTP/1.0, Expect: 100-continue.
+    data = json.dumps(COMPLETION).encode()
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+    http10 = post("/v1/completions", COMPLETION, "x").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    expect = post("/v1/completions", COMPLETION, "y", "Expect: 100-continue\r\n")
+    for raw in (chunked, http10, expect):
+        with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+            sock.sendall(raw)
+            reply = b""
+            while b'"finish_reason"' not in reply:
+                reply += _recv(sock)
+        assert b" 200 " in reply.split(b"\r\n", 1)[0] or b"100 Continue" in reply
+
+
+def test_a_body_that_stops_coming_is_a_408_with_its_record(gateway):
+    request_id = f"slow-body-{uuid.uuid4().hex[:8]}"
+    with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+        sock.sendall(post("/v1/completions", COMPLETION, request_id)[:-10])
+        (status, headers, body), = read_responses(sock, 1)
+        assert sock.recv(10) == b""  # and the connection is closed
+    assert status == 408 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "body_timeout"
+    assert gateway.record(request_id)["status"] == 408
+
+
+def test_every_request_ends_in_exactly_one_record_with_its_token_ids(gateway):
+    tag = uuid.uuid4().hex[:8]
+
+    def one(n: int) -> str:
+        request_id = f"many-{tag}-{n}"
+        stream, chat = n % 2 == 0, n % 3 == 0
+        body = ({"model": "stub", "messages": [{"role": "user", "content": f"question {n}"}], "max_tokens": 5}
+                if chat else {"model": "stub", "prompt": f"prompt {n} " * (n % 7 + 1), "max_tokens": 5})
+        status, _, answer = http("POST", gateway.url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                                 {**body, "stream": stream}, {"x-request-id": request_id})
+        assert status == 200, answer
+        return request_id
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        ids = list(pool.map(one, range(200)))
+    deadline = time.monotonic() + 10
+    while True:
+        records = [r for r in gateway.records() if r["request_id"].startswith(f"many-{tag}-")]
+        if len(records) >= len(ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sorted(r["request_id"] for r in records) == sorted(ids)  # one each, none twice
+    assert all(r["status"] == 200 and len(r["output_token_ids"]) == 5 and r["prompt_token_ids"] for r in records)

@@ -1,0 +1,162 @@
+"""The gateway's upstream client against a scripted HTTP server on loopback: bodies by length,
+chunks and connection close, keep-alive reuse, a dead pooled connection retried once, reads
+that time out without losing data, refused connections; and the stream-chunk reader."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from gateway.http_client import BadResponse, ConnectFailed, Disconnected, Origin, UpstreamClient
+from protocol.stream_chunks import MalformedEvent, decode_events, strip_token_ids
+from tests.servers import free_port
+
+
+class Scripted:
+    """A server that answers each request with the next scripted action: bytes to send (a list:
+    sent apart, a pause between), or "close" (hang up without answering)."""
+
+    def __init__(self, actions: list) -> None:
+        self.actions = list(actions)
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.actions:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                action = self.actions.pop(0)
+                if action == "close":
+                    break
+                for part in action:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+                if action and action[-1].endswith(b"\r\n\r\nbye"):  # an until-close body
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def serve(script: Scripted):
+    port = free_port()
+    server = await asyncio.start_server(script.handle, "127.0.0.1", port)
+    return server, Origin(f"http://127.0.0.1:{port}")
+
+
+CHUNKED = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n",
+           b"5\r\nhello\r\n", b"6\r\n world\r\n0\r\n\r\n"]
+
+
+def test_chunked_and_sized_bodies_arrive_whole_over_one_kept_alive_connection():
+    async def main():
+        script = Scripted([CHUNKED, [b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\nRetry-After: 3\r\n\r\nnope"]])
+        server, origin = await serve(script)
+        client = UpstreamClient(connect_timeout_s=2)
+        first = await client.post(origin, "/v1/completions", b'{"a": 1}', "req-1")
+        assert first.status == 200 and first.headers["content-type"] == "text/event-stream"
+        assert await first.read() == b"hello world"
+        first.release()
+        second = await client.post(origin, "/v1/completions", b"{}")
+        assert second.status == 404 and second.headers["retry-after"] == "3" and await second.read() == b"nope"
+        second.release()
+        assert script.connections == 1  # the second request reused the first one's connection
+        assert b"x-request-id: req-1" in script.requests[0] and script.requests[0].endswith(b'{"a": 1}')
+        await client.close()
+        server.close()
+    run(main())
+
+
+def test_a_pooled_connection_the_replica_closed_is_replaced_and_a_mid_answer_close_is_an_error():
+    async def main():
+        script = Scripted([[b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], "close",
+                           [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"],
+                           [b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"]])
+        server, origin = await serve(script)
+        client = UpstreamClient(connect_timeout_s=2)
+        response = await client.post(origin, "/x", b"{}")
+        assert await response.read() == b"ok"
+        response.release()
+        again = await client.post(origin, "/x", b"{}")  # its pooled connection dies unanswered: a fresh one
+        assert await again.read() == b"ok"
+        again.release()
+        assert script.connections == 2
+        broken = await client.post(origin, "/x", b"{}")
+        with pytest.raises(Disconnected):
+            await broken.read()
+        broken.close()
+        await client.close()
+        server.close()
+    run(main())
+
+
+def test_a_read_that_times_out_loses_nothing_and_an_until_close_body_ends_with_the_connection():
+    async def main():
+        script = Scripted([[b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhi", b" there", b"\r\n\r\nbye"]])
+        server, origin = await serve(script)
+        client = UpstreamClient(connect_timeout_s=2)
+        response = await client.post(origin, "/x", b"{}")
+        loop = asyncio.get_running_loop()
+        got = await response.read_some(loop.time() + 1)
+        with pytest.raises(TimeoutError):
+            await response.read_some(loop.time() + 0.001)
+        got += await response.read()
+        assert got == b"hi there\r\n\r\nbye"
+        response.release()
+        await client.close()
+        server.close()
+    run(main())
+
+
+def test_refused_and_garbage_answers_are_named():
+    async def main():
+        client = UpstreamClient(connect_timeout_s=2)
+        with pytest.raises(ConnectFailed) as refused:
+            await client.post(Origin(f"http://127.0.0.1:{free_port()}"), "/x", b"{}")
+        assert refused.value.refused
+        server, origin = await serve(Scripted([[b"SPDY/9 what\r\n\r\n"]]))
+        with pytest.raises(BadResponse):
+            await client.post(origin, "/x", b"{}")
+        await client.close()
+        server.close()
+    run(main())
+
+
+def chunk(**fields) -> bytes:
+    return b"data: " + msgspec.json.encode({"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                                            **fields})
+
+
+def test_events_decode_in_one_batch_or_one_by_one_and_odd_ones_are_named():
+    events = [chunk(choices=[{"index": 0, "text": "a", "token_ids": [1], "prompt_token_ids": [5, 6]}]),
+              chunk(choices=[{"index": 0, "text": "b", "token_ids": [2], "finish_reason": "length"}]),
+              chunk(choices=[], usage={"prompt_tokens": 2, "completion_tokens": 2,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}),
+              b"data: [DONE]"]
+    kept, chunks = decode_events(events)
+    assert kept == events[:3] and [c.choices[0].token_ids for c in chunks[:2]] == [[1], [2]]
+    assert chunks[0].choices[0].prompt_token_ids == [5, 6] and chunks[2].usage.prompt_tokens == 2
+    # Comments, multi-line data, non-object JSON: taken one at a time, same chunks.
+    odd = [b": keep-alive", b"data: {\"id\": \"c\",\ndata: \"choices\": [{\"index\": 0, \"text\": \"x\"}]}", b"data: 5"]
+    kept, chunks = decode_events(odd)
+    assert len(chunks) == 1 and chunks[0].choices[0].text == "x" and kept[0].count(b"data: ") == 2
+    with pytest.raises(MalformedEvent):
+        decode_events([b"data: {\"choices\": 7}"])
+    with pytest.raises(MalformedEvent):
+        decode_events([b"data: not json"])
+
+
+def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_text():
+    payload = (b'{"prompt_token_ids": [1, 2],"choices":[{"token_ids":[3],"text":"say \\"token_ids\\":[9]"},'
+               b'{"text":"x", "token_ids": null},{"token_ids":[4]}]}')
+    stripped = strip_token_ids(payload)
+    assert msgspec.json.decode(stripped) == {"choices": [{"text": 'say "token_ids":[9]'}, {"text": "x"}, {}]}

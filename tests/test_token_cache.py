@@ -1,0 +1,68 @@
+"""The tokenization cache gives exactly the IDs a fresh tokenization gives: multi-turn chats cached
+stretch by stretch between added tokens, repeated prompts whole, a tokenizer whose stretches are
+not independent never split, memory bounded."""
+from __future__ import annotations
+
+import json
+import random
+
+from tokenizers import Tokenizer
+
+from replica.tiny import tiny_checkpoint_dir
+from tokenization import TokenizerBundle
+from tokenization.token_cache import TokenCache, token_cache
+
+WORDS = ["fox", " dog", "  cache", "\n", "block\n\n", "é", "漢字", "🙂", " ", "<|im", "end|>", "12", "!?"]
+
+
+def bundle() -> TokenizerBundle:
+    return TokenizerBundle.from_hf_dir(tiny_checkpoint_dir())
+
+
+def test_a_chat_turn_by_turn_has_the_ids_of_a_fresh_tokenization():
+    tiny = bundle()
+    cache = TokenCache(tiny)
+    assert cache.splits
+    rng = random.Random(7)
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 6}]
+    for turn in range(12):
+        messages.append({"role": "user", "content": "".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 60)))})
+        text = tiny.apply_chat_template(messages)
+        misses = cache.misses
+        assert cache.encode(text, add_special_tokens=False) == tiny.encode(text, add_special_tokens=False)
+        if turn:
+            assert cache.misses - misses <= 2  # only the new message (and the generation prompt) tokenized
+        messages.append({"role": "assistant", "content": "".join(rng.choice(WORDS) for _ in range(20))})
+
+
+def test_a_repeated_prompt_is_remembered_with_its_bos_rule():
+    tiny = bundle()
+    cache = token_cache(tiny)
+    assert token_cache(tiny) is cache
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    first = cache.encode(prompt)
+    hits = cache.hits
+    assert cache.encode(prompt) == first == tiny.encode(prompt)
+    assert cache.hits == hits + 1
+    assert cache.encode(prompt, add_special_tokens=False) == tiny.encode(prompt, add_special_tokens=False)
+
+
+def test_a_tokenizer_whose_stretches_depend_on_their_start_is_never_split():
+    # A SentencePiece-style pre-tokenizer that prefixes the text's first word only: stretches
+    # tokenized on their own would each get the prefix, so the cache must take whole texts.
+    config = json.loads(bundle().tokenizer.to_str())
+    config["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True}
+    odd = TokenizerBundle(Tokenizer.from_str(json.dumps(config)), chat_template=bundle().chat_template)
+    cache = TokenCache(odd)
+    assert not cache.splits
+    text = odd.apply_chat_template([{"role": "user", "content": "hello there"}] * 3)
+    assert cache.encode(text, add_special_tokens=False) == odd.encode(text, add_special_tokens=False)
+
+
+def test_the_cache_holds_at_most_its_token_budget():
+    tiny = bundle()
+    cache = TokenCache(tiny, max_tokens=400)
+    for n in range(200):
+        text = f"prompt number {n} " * 4
+        assert cache.encode(text, add_special_tokens=False) == tiny.encode(text, add_special_tokens=False)
+    assert cache._tokens <= 400 and len(cache._pieces) < 200

@@ -1,0 +1,161 @@
+"""Token IDs of text the gateway has tokenized before: an LRU over text pieces, bounded by the
+tokens it holds, so a repeated prompt costs a dict lookup and turn k+1 of a chat re-tokenizes only
+its new messages.
+
+The rule that makes pieces safe to cache separately: the `tokenizers` library cuts the text at
+its added tokens (`<|im_start|>`, `<|im_end|>`, BOS, ...) before anything else runs, and then
+tokenizes each stretch between them on its own. So a rendered chat is split here at the same
+tokens, each stretch is looked up (or encoded and remembered), and the IDs are concatenated: the
+same IDs as one encode of the whole text. That holds when the added tokens match literally (no
+normalization, no stripping of the spaces around them, not single-word) and the stretch's
+tokenization does not depend on where it starts (no normalizer, no prefix space added at the
+start of the text: a SentencePiece `Metaspace` with prepend "first" adds one only at the start).
+A bundle whose tokenizer does not say so, or that fails a check against whole-text encodes
+(probe strings at first use, then the first CHECKED_ENCODES real texts), encodes whole texts
+(still remembered whole).
+
+A repeated completions prompt is remembered whole, the same way (the BOS rule applied after)."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from array import array
+from collections import OrderedDict
+
+import structlog
+
+from tokenization.bundle import TokenizerBundle
+
+log = structlog.get_logger("kvgate.tokenization")
+
+MAX_CACHED_TOKENS = 4_000_000   # ~16 MB of int32 IDs (plus the text keys)
+MAX_PIECE_CHARS = 1 << 20       # a longer piece is encoded, not remembered
+CHECKED_ENCODES = 32            # real texts also encoded whole and compared, per bundle
+_PROBES = ("hello", " leading space", "two  spaces\n\nnewlines\n", "unicode: é 漢字 🙂", "x" * 40, "\n", " ")
+
+
+class TokenCache:
+    """One bundle's cache. Thread-safe (tokenizer threads share it with the loop)."""
+
+    def __init__(self, bundle: TokenizerBundle, max_tokens: int = MAX_CACHED_TOKENS) -> None:
+        self.bundle = bundle
+        self.max_tokens = max_tokens
+        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._splitter, self._special_ids = _added_token_splitter(bundle)
+        self._checks_left = CHECKED_ENCODES if self._splitter is not None else 0
+        if self._splitter is not None and not self._probe():
+            self._splitter = None
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def splits(self) -> bool:
+        """Texts are cached stretch by stretch (between added tokens), not only whole."""
+        return self._splitter is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """bundle.encode(text, add_special_tokens), from the cache where it can."""
+        ids = self._ids(text)
+        if add_special_tokens and self.bundle.add_bos:
+            ids.insert(0, self.bundle.bos_token_id)
+        return ids
+
+    def _ids(self, text: str) -> list[int]:
+        splitter = self._splitter
+        if splitter is None or len(text) < 64:
+            return self._piece(text)
+        ids: list[int] = []
+        special = self._special_ids
+        for index, piece in enumerate(splitter.split(text)):
+            if index & 1:  # the captured added token
+                ids.append(special[piece])
+            elif piece:
+                ids += self._piece(piece)
+        if self._checks_left:
+            self._check(text, ids)
+        return ids
+
+    def _piece(self, text: str) -> list[int]:
+        with self._lock:
+            cached = self._pieces.get(text)
+            if cached is not None:
+                self._pieces.move_to_end(text)
+                self.hits += 1
+                return cached.tolist()
+        ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) <= MAX_PIECE_CHARS and len(ids) <= self.max_tokens // 8:
+            stored = array("i", ids)
+            with self._lock:
+                self.misses += 1
+                if text not in self._pieces:
+                    self._pieces[text] = stored
+                    self._tokens += len(stored)
+                    while self._tokens > self.max_tokens:
+                        _, old = self._pieces.popitem(last=False)
+                        self._tokens -= len(old)
+        return ids
+
+    def _probe(self) -> bool:
+        specials = list(self._special_ids)
+        texts = [special.join(_PROBES[i:] + _PROBES[:i]) for i, special in enumerate(specials[:4] or [""])]
+        texts += [specials[0] + "x" + specials[-1] + " y" if specials else "x"]
+        return all(self._same(text) for text in texts)
+
+    def _check(self, text: str, ids: list[int]) -> None:
+        self._checks_left -= 1
+        whole = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        if whole != ids:
+            self._splitter = None
+            self._checks_left = 0
+            log.warning("token_cache_split_disabled", reason="a text encoded in stretches differed from its "
+                        "whole encode; whole texts are cached from now on", chars=len(text))
+
+    def _same(self, text: str) -> bool:
+        ids: list[int] = []
+        for index, piece in enumerate(self._splitter.split(text)):
+            if index & 1:
+                ids.append(self._special_ids[piece])
+            elif piece:
+                ids += self.bundle.tokenizer.encode(piece, add_special_tokens=False).ids
+        return ids == self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _added_token_splitter(bundle: TokenizerBundle) -> tuple[re.Pattern | None, dict[str, int]]:
+    """A regex whose split() cuts text at the bundle's added tokens, as `tokenizers` does, or None
+    where the tokenizer's configuration does not guarantee the pieces tokenize independently."""
+    try:
+        config = json.loads(bundle.tokenizer.to_str())
+    except (ValueError, TypeError):
+        return None, {}
+    added = config.get("added_tokens") or []
+    if not added or config.get("normalizer") is not None:
+        return None, {}
+    if any(token.get("normalized") or token.get("lstrip") or token.get("rstrip") or token.get("single_word")
+           for token in added):
+        return None, {}
+    pre = json.dumps(config.get("pre_tokenizer"))
+    if "Metaspace" in pre or '"add_prefix_space": true' in pre or '"prepend_scheme"' in pre:
+        return None, {}
+    special = {token["content"]: token["id"] for token in added if token.get("content")}
+    # Longest first: the leftmost-longest match, as the library's matcher takes it.
+    pattern = "(" + "|".join(re.escape(text) for text in sorted(special, key=len, reverse=True)) + ")"
+    return re.compile(pattern), special
+
+
+_caches: "weakref.WeakKeyDictionary[TokenizerBundle, TokenCache]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def token_cache(bundle: TokenizerBundle) -> TokenCache:
+    """The bundle's cache, made on first use."""
+    cache = _caches.get(bundle)
+    if cache is None:
+        with _caches_lock:
+            cache = _caches.get(bundle)
+            if cache is None:
+                cache = _caches[bundle] = TokenCache(bundle)
+    return cache
