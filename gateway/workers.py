@@ -255,8 +255,8 @@ class Workers:
         self._stop.set()
 
     def _to_file(self, data: bytes) -> None:
-        for line in data.split(b"\n")[:-1]:
-            self.log_file.write_line(line)
+        # Whole lines, as one write: the file rotates between two reads' lines, not mid-line.
+        self.log_file.write_line(data[:-1])
 
     # ---- the bus ----------------------------------------------------------------------------------------
 
