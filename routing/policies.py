@@ -118,10 +118,14 @@ class ConsistentHash:
         """Learns nothing from its own routing."""
 
 
-# Caches whose fills differ by less than this tie: a replica a little emptier than the others (its
-# KV events a moment behind, a capacity not learned yet) must not take every new prefix.
-FILL_TOLERANCE = 0.05
-BRANCH_SHARED = 2             # requests branching off after a block that make it a shared prefix
+# A cache is "clearly emptier" when it holds fewer blocks than the others by more than this share
+# of the prompt routed: a replica a hair emptier (its KV events a moment behind) must not take
+# every new prefix, and a whole conversation's worth of difference must count.
+FILL_TOLERANCE_PROMPTS = 0.5
+# Earlier requests whose deepest match ended after a block that make it a shared prefix (a system
+# prompt): a request's own history (a conversation's or an agent's earlier turn) ends its match at
+# a deeper block each turn, never where another request's match ended.
+BRANCH_SHARED = 1
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
@@ -204,7 +208,7 @@ class CacheAware:
 
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
-    capacity, by more than FILL_TOLERANCE), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt), then by rendezvous hash of the prompt's first block that no replica holds (its own
     content: a new conversation's first message, not the shared system prompt), never by config
     order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
@@ -283,12 +287,12 @@ class CacheAware:
         chosen = tied[0]
         if len(tied) > 1:
             own_block = int(hashes[min(max(matched), n_blocks - 1)]) if n_blocks else None
-            chosen, why = self._break_tie(candidates, tied, loads, table, own_block)
+            chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
         return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
                                   allowed, why, self.balance_factor, table, hashes)
 
-    def _break_tie(self, candidates, tied: list[int], loads, table, own_block) -> tuple[int, str]:
+    def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
         hash of the prompt's own first block (a new prefix lands on a stable, spread-out replica). A step whose
         values are all equal (the common case: an idle pool) costs a min and a max, no list."""
@@ -303,8 +307,10 @@ class CacheAware:
         names = candidates if everyone else [candidates[i] for i in tied]
         values = table.fills(names)
         low = min(values)
-        if max(values) > low + FILL_TOLERANCE:  # a clearly emptier cache; small differences are noise
-            tied = [i for i, fill in zip(tied, values) if fill <= low + FILL_TOLERANCE]
+        # A clearly emptier cache: by more than part of this prompt (small differences are noise).
+        tolerance = max(FILL_TOLERANCE_PROMPTS * n_blocks, 1) / min(map(table.capacity, names))
+        if max(values) > low + tolerance:
+            tied = [i for i, fill in zip(tied, values) if fill <= low + tolerance]
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
             names = [candidates[i] for i in tied]
