@@ -12,7 +12,8 @@ binds one PUB socket (`w0.sock`, `w1.sock`, ..., `parent.sock`) and subscribes t
                               once a second; also whether it listens and is ready.
                               Workers count them as load they did not route (gateway/scraper.py),
                               the parent waits for them before stopping a removed replica
-  drain   worker -> parent    an operator's drain/undrain that reached this worker
+  drain   worker -> parent    an operator's drain/undrain that reached this worker, numbered, re-sent
+                              each beat until the parent's state says it folded it in
   state   parent -> workers   the authoritative part, on change and every second: the config (its
                               generation), the drained replicas, the launched replica processes.
                               A worker that missed a message, or started late, catches up from it
@@ -180,6 +181,7 @@ class WorkerLink:
         self.ready = False
         self._inner = None
         self._drain_seq = 0
+        self._unacked: list[Drain] = []  # drains the parent's state has not confirmed: re-sent each beat
         self._peers: dict[int, tuple[float, dict[str, tuple[int, int]]]] = {}  # worker -> (received at, counts)
         self._publisher: Publisher | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -199,8 +201,10 @@ class WorkerLink:
     def drained(self, replica: str, drained: bool) -> None:
         """An operator drained (or undrained) `replica` here; the parent tells every worker."""
         self._drain_seq += 1
+        message = Drain(self.index, self._drain_seq, replica, drained)
+        self._unacked.append(message)
         if self._publisher is not None:
-            self._publisher.send(DRAIN, Drain(self.index, self._drain_seq, replica, drained))
+            self._publisher.send(DRAIN, message)
 
     def process_of(self, replica: str) -> dict:
         process = self.processes.get(replica)
@@ -267,6 +271,8 @@ class WorkerLink:
                 last_sent = report
             if now - last_beat >= HEARTBEAT_S:
                 last_beat = now
+                for message in self._unacked:  # PUB/SUB drops what a peer missed (a parent reconnecting)
+                    self._publisher.send(DRAIN, message)
                 gone = [w for w, (at, _counts) in self._peers.items() if now - at > PEER_STALE_S]
                 for worker in gone:
                     del self._peers[worker]
@@ -310,7 +316,9 @@ class WorkerLink:
                 log.error("config_rejected", generation=state.generation, error=f"{type(exc).__name__}: {exc}")
             else:
                 log.info("config_applied", generation=state.generation, policy=config.routing.policy, **changes)
-        if state.drain_seen.get(self.index, 0) < self._drain_seq:
+        seen = state.drain_seen.get(self.index, 0)
+        self._unacked = [message for message in self._unacked if message.seq > seen]
+        if seen < self._drain_seq:
             return  # the parent has not seen this worker's latest drain yet: its list is older than ours
         drained = set(state.drained)
         for replica in self.pool.replicas:

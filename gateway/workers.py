@@ -276,7 +276,7 @@ class Workers:
                     log.info("workers_ready", workers=len(self.workers))
                     if self.on_ready is not None:
                         self.on_ready()
-            elif topic == DRAIN and message.seq > self.drain_seen.get(worker.index, 0):
+            elif topic == DRAIN and message.seq == self.drain_seen.get(worker.index, 0) + 1:  # in order; re-sent
                 self.drain_seen[worker.index] = message.seq
                 (self.drained.add if message.drained else self.drained.discard)(message.replica)
                 log.info("replica_drain_shared", replica=message.replica, drained=message.drained,
