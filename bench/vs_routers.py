@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,6 +170,21 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
     router.cpu_s[workload] += sum(process_cpu_s(pid) - cpu for pid, cpu in before.items())
     router.served[workload] += served
     router.failed[workload] += failed
+
+
+class StubsDown(RuntimeError):
+    """A phase left the stubs not answering: every later figure would be NaN."""
+
+
+def check_stubs(stub_urls: list[str], after: str) -> None:
+    """Every stub still answers /v1/models within 5 s, else StubsDown naming the phase before."""
+    for url in stub_urls:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
+                answer.read()
+        except OSError as exc:
+            raise StubsDown(f"stub {url} stopped answering after {after} ({exc}); the figures from here on "
+                            "would be failures, so the run stops. Leave that router out with --routers.") from None
 
 
 def open_loop(url: str, stream: bool, settings: Settings, seed: int, loadgen: LoadgenProcess) -> PhaseResult:
@@ -352,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
             order = routers[round_index % len(routers):] + routers[:round_index % len(routers)]
             for router in order:
                 saturate(router, "fixed", settings, scripts, loadgen, offset)
+                check_stubs(stub_urls, f"{router.name}'s saturation phase")
                 progress(f"saturation round {round_index + 1}/{settings.rounds}: {router.name} "
                          f"{router.cpu_us_per_request('fixed'):.0f} us/req so far")
         for round_index in range(settings.unique_rounds):
             for router in routers:
                 offset += 10_000_000
                 saturate(router, "unique", settings, scripts, loadgen, offset)
+                check_stubs(stub_urls, f"{router.name}'s unique-prompt phase")
                 progress(f"unique prompts: {router.name} {router.cpu_us_per_request('unique'):.0f} us/req")
 
         direct_latency: list[PhaseResult] = []
@@ -388,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
+    except StubsDown as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:  # every `with` has already stopped its process
         print("interrupted: stubs, routers and load generator stopped", file=sys.stderr)
         sys.exit(130)

@@ -122,6 +122,10 @@ class ConsistentHash:
 # of the prompt routed: a replica a hair emptier (its KV events a moment behind) must not take
 # every new prefix, and a whole conversation's worth of difference must count.
 FILL_TOLERANCE_PROMPTS = 0.5
+# ... and only while that cache has room to spare: once every cache is this full they all evict
+# for each new prompt, their fills move by what each replica evicted a moment ago (noise that
+# followed would feed one replica more and more: 246 of 600 trace requests), and the hash decides.
+FILL_SPREAD_BELOW = 0.75
 # Earlier requests whose deepest match ended after a block that make it a shared prefix (a system
 # prompt): a request's own history (a conversation's or an agent's earlier turn) ends its match at
 # a deeper block each turn, never where another request's match ended.
@@ -208,7 +212,8 @@ class CacheAware:
 
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
-    capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt, while it is under FILL_SPREAD_BELOW
+    full), then by rendezvous hash of the prompt's first block that no replica holds (its own
     content: a new conversation's first message, not the shared system prompt), never by config
     order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
@@ -309,7 +314,7 @@ class CacheAware:
         low = min(values)
         # A clearly emptier cache: by more than part of this prompt (small differences are noise).
         tolerance = max(FILL_TOLERANCE_PROMPTS * n_blocks, 1) / min(map(table.capacity, names))
-        if max(values) > low + tolerance:
+        if low < FILL_SPREAD_BELOW and max(values) > low + tolerance:
             tied = [i for i, fill in zip(tied, values) if fill <= low + tolerance]
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
