@@ -43,8 +43,8 @@ from multidict import CIMultiDict
 from gateway.auth import GRANT
 from gateway.exchange import ClientGone, Exchange
 from gateway.front_door import REQUEST_ID, FrontDoor
-from gateway.limits import (_CHUNK, GuardedHandler, _raw_error, check_json_shape, checked_request_id,
-                            new_request_id)
+from gateway.limits import (_CHUNK, GuardedHandler, _raw_error, admit_connection, check_json_shape,
+                            checked_request_id, new_request_id)
 from observability.request_log import RequestRecord
 from protocol.errors import APIError, RequestTimeout
 from protocol.http import openai_errors
@@ -329,17 +329,9 @@ class HotProtocol(asyncio.Protocol):
 
     # ---- asyncio protocol ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
-        peer = transport.get_extra_info("peername")
-        ip = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
-        if not self._guard.open(ip):
+        ip = admit_connection(self._guard, transport)
+        if ip is None:
             self._refused = True
-            limit = self._guard.limits.max_connections_per_client
-            transport.write(_raw_error(429, "Too Many Requests",
-                                       f"Too many open connections from {ip} (limit {limit}); close some "
-                                       "or reuse them (keep-alive).", "too_many_connections", 1))
-            # Close a moment later, reading (and dropping) what the client sends meanwhile: closing a
-            # socket with unread data resets it, and the client would see a reset, not the 429.
-            self._loop.call_later(0.5, transport.close)
             return
         self._ip = ip
         self.transport = transport

@@ -75,6 +75,23 @@ class ConnectionGuard:
             self.per_ip.pop(ip, None)
 
 
+def admit_connection(guard, transport) -> str | None:
+    """The client's IP if `guard` lets this connection open, else None: it got a 429 (too many
+    connections from its IP) and closes a moment later, reading (and dropping) what the client
+    sends meanwhile: closing a socket with unread data resets it, and the client would see a
+    reset, not the 429."""
+    peer = transport.get_extra_info("peername")
+    ip = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
+    if guard.open(ip):
+        return ip
+    limit = guard.limits.max_connections_per_client
+    transport.write(_raw_error(429, "Too Many Requests",
+                               f"Too many open connections from {ip} (limit {limit}); close some "
+                               "or reuse them (keep-alive).", "too_many_connections", 1))
+    asyncio.get_running_loop().call_later(0.5, transport.close)
+    return None
+
+
 def _raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
     """A whole HTTP response, written straight to a transport that has no aiohttp request."""
     body = json.dumps(error_body(message, "invalid_request_error" if status != 429 else "rate_limit_error",
@@ -98,17 +115,9 @@ class GuardedHandler(OpenAIErrorsHandler):
         self.in_request = False  # a request of this connection is being handled (set by read_body's caller)
 
     def connection_made(self, transport) -> None:
-        peer = transport.get_extra_info("peername")
-        ip = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
-        if not self._guard.open(ip):
-            self._refused = True
-            limit = self._guard.limits.max_connections_per_client
-            transport.write(_raw_error(429, "Too Many Requests",
-                                       f"Too many open connections from {ip} (limit {limit}); close some "
-                                       "or reuse them (keep-alive).", "too_many_connections", 1))
-            # Close a moment later, reading (and dropping) what the client sends meanwhile: closing a
-            # socket with unread data resets it, and the client would see a reset, not the 429.
-            asyncio.get_running_loop().call_later(0.5, transport.close)
+        ip = admit_connection(self._guard, transport)
+        self._refused = ip is None
+        if ip is None:
             return
         self._ip = ip
         super().connection_made(transport)
