@@ -143,3 +143,47 @@ def run_gateway(config_path: str | Path, port: int, *, ready_timeout_s: float = 
                                        f"{gateway.logs()[-4000:]}")
             time.sleep(HEALTH_POLL_S)
         yield gateway
+
+
+@contextlib.contextmanager
+def openai_upstream(model: str, completions, **runner_kwargs) -> Iterator[str]:
+    """An OpenAI-shaped aiohttp server on its own thread (/health, /v1/models serving `model`,
+    POST /v1/completions answered by `completions`), for upstream faults a real replica cannot
+    play; yields its URL, stopped on exit."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+
+    async def health(_):
+        return web.Response(text="ok")
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 2048}]})
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, **runner_kwargs)
+    started = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -10,16 +10,14 @@ import contextlib
 import json
 import random
 import socket
-import threading
 import time
 
 import pytest
-from aiohttp import web
 
 from gateway.limits import check_json_shape, checked_request_id, json_shape
 from protocol.errors import BadRequest
 from replica.tiny import tiny_checkpoint_dir
-from tests.servers import free_port, run_gateway, run_replica
+from tests.servers import free_port, openai_upstream, run_gateway, run_replica
 from tests.test_cache_routing import poll
 from tests.test_gateway import Gateway, http
 from tests.test_hot_reload import log_events
@@ -217,45 +215,13 @@ def test_a_bad_request_id_is_replaced_and_a_long_session_key_refused(tight):
 
 # ---- reload applies what it says ------------------------------------------------------------------
 
-@contextlib.contextmanager
 def silent_upstream():
     """An OpenAI-shaped server that never answers a completion (the request hangs until dropped)."""
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    app = web.Application()
-
-    async def health(_):
-        return web.Response(text="ok")
-
-    async def models(_):
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 2048}]})
-
     async def completions(request):
         await request.read()
         await asyncio.Event().wait()  # cancelled when the gateway hangs up
 
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    started = threading.Event()
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(10)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    return openai_upstream("tiny", completions, handler_cancellation=True)
 
 
 def test_a_reloaded_request_timeout_applies_and_restart_only_keys_are_named(tmp_path):
