@@ -90,38 +90,35 @@ def _ready_workers(url: str) -> int:
 
 
 @contextlib.contextmanager
+def _run_router(name: str, module: str, python: Path, worker_urls: Sequence[str], policy: str, log_level: str,
+                ready_timeout_s: float) -> Iterator[ServerProcess]:
+    """sglang-router or vllm-router (the same launcher flags) in front of `worker_urls`; yields once
+    every worker is registered and healthy (/health answers before registration finishes:
+    /readiness counts the workers)."""
+    port, metrics_port = free_port(), free_port()
+    argv = [str(python), "-m", module, "--worker-urls", *worker_urls, "--policy", policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", log_level]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name=name) as router:
+        deadline = time.monotonic() + ready_timeout_s
+        while _ready_workers(router.url) < len(worker_urls):
+            if router.proc.poll() is not None or time.monotonic() > deadline:
+                raise ServerStartError(f"{name}: {len(worker_urls)} workers not ready after "
+                                       f"{ready_timeout_s:.0f}s:\n{router.logs()[-4000:]}")
+            time.sleep(READY_POLL_S)
+        yield router
+
+
 def run_sglang_router(python: Path, worker_urls: Sequence[str], *, policy: str = "cache_aware",
-                      log_level: str = "warn", ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
-    """sglang-router in front of `worker_urls`; yields once every worker is registered and healthy
-    (its /health answers before registration finishes: /readiness counts the workers)."""
-    port, metrics_port = free_port(), free_port()
-    argv = [str(python), "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", log_level]
-    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="sglang-router") as router:
-        deadline = time.monotonic() + ready_timeout_s
-        while _ready_workers(router.url) < len(worker_urls):
-            if router.proc.poll() is not None or time.monotonic() > deadline:
-                raise ServerStartError(f"sglang-router: {len(worker_urls)} workers not ready after "
-                                       f"{ready_timeout_s:.0f}s:\n{router.logs()[-4000:]}")
-            time.sleep(READY_POLL_S)
-        yield router
+                      log_level: str = "warn", ready_timeout_s: float = 60.0):
+    """sglang-router in front of `worker_urls`, ready (a context manager yielding its ServerProcess)."""
+    return _run_router("sglang-router", "sglang_router.launch_router", python, worker_urls, policy, log_level,
+                       ready_timeout_s)
 
 
-@contextlib.contextmanager
 def run_vllm_router(python: Path, worker_urls: Sequence[str], *, policy: str = "cache_aware",
-                    log_level: str = "warning", ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
-    """vllm-router in front of `worker_urls` (its policies include round_robin and cache_aware,
-    the default); yields once /readiness counts every worker healthy."""
-    port, metrics_port = free_port(), free_port()
-    argv = [str(python), "-m", "vllm_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", log_level]
-    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="vllm-router") as router:
-        deadline = time.monotonic() + ready_timeout_s
-        while _ready_workers(router.url) < len(worker_urls):
-            if router.proc.poll() is not None or time.monotonic() > deadline:
-                raise ServerStartError(f"vllm-router: {len(worker_urls)} workers not ready after "
-                                       f"{ready_timeout_s:.0f}s:\n{router.logs()[-4000:]}")
-            time.sleep(READY_POLL_S)
-        yield router
+                    log_level: str = "warning", ready_timeout_s: float = 60.0):
+    """vllm-router in front of `worker_urls` (its policies include round_robin and cache_aware, the
+    default), ready (a context manager yielding its ServerProcess)."""
+    return _run_router("vllm-router", "vllm_router.launch_router", python, worker_urls, policy, log_level,
+                       ready_timeout_s)
