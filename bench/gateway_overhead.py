@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms
+from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms, start_bench
 from bench.stub_backend import StubProcess, die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -304,14 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = settings_from(args)
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # unwinds through every `with`, which stops every process
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    started = time.monotonic()
-
-    def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.1f} s] {message}", file=sys.stderr, flush=True)
+    started, progress = start_bench()
 
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-bench-")))

@@ -18,6 +18,8 @@ import json
 import multiprocessing
 import os
 import random
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -277,6 +279,22 @@ class LoadgenProcess:
 
 
 # -- summaries -------------------------------------------------------------------------------
+
+def start_bench():
+    """A bench's start: SIGTERM unwinds like Ctrl-C (through every `with`, which stops every
+    process it started); returns (start time, progress), progress printing a line to stderr with
+    the seconds elapsed."""
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        print(f"[{time.monotonic() - started:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+    return started, progress
+
 
 def percentiles_ms(values_s: list[float], points=(50, 90, 99)) -> dict[int, float]:
     import numpy as np

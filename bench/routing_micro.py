@@ -117,7 +117,6 @@ def main() -> None:
     clock_now[0] = 2 * state.guess_ttl_s  # decisions run later: the guess-TTL check is live
     other_tokens = [t + 1 for t in tokens]
     prompts = {"no match": (other_tokens, block_hashes(other_tokens)), "64..500-block matches": (tokens, hashes)}
-    tracker = state.tracker
 
     def decide(request):
         return precise.choose(REPLICAS, request)  # a pure decision: loads stay as they were

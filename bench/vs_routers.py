@@ -34,7 +34,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.gateway_overhead import PROMPT, check_answers
-from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_s
+from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_s, start_bench
 from bench.routers import (RouterUnavailable, run_sglang_router, run_vllm_router, sglang_router_python,
                            vllm_router_python)
 from bench.stub_backend import StubProcess
@@ -331,14 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args)
     wanted = {name.strip() for name in args.routers.split(",") if name.strip()}
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # unwinds through every `with`, which stops every process
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    started = time.monotonic()
-
-    def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.1f} s] {message}", file=sys.stderr, flush=True)
+    started, progress = start_bench()
 
     if not shutil.which("wrk"):
         progress("wrk not found: saturation uses bench/loadgen.py's closed loop instead (apt-get install wrk)")

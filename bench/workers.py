@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.gateway_overhead import GatewayProcess, check_answers, free_port
-from bench.loadgen import LoadgenProcess, Phase, PhaseResult
+from bench.loadgen import LoadgenProcess, Phase, PhaseResult, start_bench
 from bench.stub_backend import StubProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A gateway routes each request to the replica. " * 4
@@ -74,14 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.requests = 2, 600
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # unwinds through every `with`, which stops every process
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    started = time.monotonic()
-
-    def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.1f} s] {message}", file=sys.stderr, flush=True)
+    started, progress = start_bench()
 
     sides = {"1 process": 1, "2 workers": 2}
     results: dict[tuple[str, bool], list[PhaseResult]] = {(side, s): [] for side in sides for s in (False, True)}
