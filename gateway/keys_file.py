@@ -84,20 +84,17 @@ def add_key(text: str, entry: dict) -> str:
     if isinstance(auth, yaml.ScalarNode) and not _is_null(auth):
         raise KeysFileError(f"line {auth_key.start_mark.line + 1}: `auth: {auth.value}` serves without keys; "
                             "replace it with an `auth:` section (or delete it) to use keys")
-    if _is_null(auth):  # `auth:` with nothing under it
-        at = _line_end(text, auth_key.start_mark.index)
-        indent = " " * (auth_key.start_mark.column + 2)
-        return _with_newline(text[:at]) + f"{indent}keys:\n{indent}  - {item}\n" + text[at:]
-    keys = _find(auth, "keys")
+    keys = None if _is_null(auth) else _find(auth, "keys")
     if keys is None:
-        if auth.flow_style:  # auth: {...}
-            close = auth.end_mark.index - 1
-            sep = "" if not auth.value else ", "
-            return text[:close] + f"{sep}keys: [{item}]" + text[close:]
-        at = _line_end(text, auth_key.start_mark.index)
-        indent = " " * auth.value[0][0].start_mark.column
-        return text[:at] + f"{indent}keys:\n{indent}  - {item}\n" + text[at:]
+        return _insert_in_auth(text, auth_key, auth, f"keys: [{item}]",
+                               lambda indent: f"{indent}keys:\n{indent}  - {item}\n")
     keys_key, seq = keys
+    if auth.flow_style and (_is_null(seq) or isinstance(seq, yaml.SequenceNode) and not seq.value):
+        # inside `auth: {...}` a block list cannot start: the list stays flow
+        if _is_null(seq) and seq.start_mark.index == seq.end_mark.index:  # `keys:` alone
+            colon = _after_colon(text, keys_key)
+            return text[:colon] + f" [{item}]" + text[colon:]
+        return text[:seq.start_mark.index] + f"[{item}]" + text[seq.end_mark.index:]
     if _is_null(seq) or (isinstance(seq, yaml.SequenceNode) and seq.flow_style and not seq.value):
         # `keys:` or `keys: []`: becomes a block list under it
         indent = " " * (keys_key.start_mark.column + 2)
@@ -154,10 +151,9 @@ def set_admin_hash(text: str, digest: str) -> str:
     if found is None:
         return _with_newline(text) + f"\nauth:\n  admin_token_sha256: {value}\n"
     auth_key, auth = found
+    entry = f"admin_token_sha256: {value}"
     if _is_null(auth):
-        at = _line_end(text, auth_key.start_mark.index)
-        indent = " " * (auth_key.start_mark.column + 2)
-        return _with_newline(text[:at]) + f"{indent}admin_token_sha256: {value}\n" + text[at:]
+        return _insert_in_auth(text, auth_key, auth, entry, lambda indent: f"{indent}{entry}\n")
     if not isinstance(auth, yaml.MappingNode):
         raise KeysFileError(f"line {auth_key.start_mark.line + 1}: `auth: {auth.value}` has no place for an admin "
                             "token; set KVGATE_ADMIN_TOKEN in kvgate's environment instead")
@@ -168,13 +164,19 @@ def set_admin_hash(text: str, digest: str) -> str:
             colon = _after_colon(text, existing[0])
             return text[:colon] + f" {value}" + text[colon:]
         return text[:node.start_mark.index] + value + text[node.end_mark.index:]
-    if auth.flow_style:
+    return _insert_in_auth(text, auth_key, auth, entry, lambda indent: f"{indent}{entry}\n")
+
+
+def _insert_in_auth(text: str, auth_key, auth, flow_entry: str, block_entry) -> str:
+    """`text` with a new entry in its auth section: `auth:` with nothing under it, a flow mapping
+    (`flow_entry` goes in before its brace) or a block one (`block_entry(indent)`: its lines)."""
+    if not _is_null(auth) and auth.flow_style:  # auth: {...}
         close = auth.end_mark.index - 1
         sep = "" if not auth.value else ", "
-        return text[:close] + f"{sep}admin_token_sha256: {value}" + text[close:]
+        return text[:close] + f"{sep}{flow_entry}" + text[close:]
     at = _line_end(text, auth_key.start_mark.index)
-    indent = " " * auth.value[0][0].start_mark.column
-    return text[:at] + f"{indent}admin_token_sha256: {value}\n" + text[at:]
+    column = auth_key.start_mark.column + 2 if _is_null(auth) else auth.value[0][0].start_mark.column
+    return _with_newline(text[:at]) + block_entry(" " * column) + text[at:]
 
 
 def write_checked(path: Path, text: str) -> None:

@@ -176,6 +176,9 @@ def test_keys_edits_keep_every_comment_and_round_trip():
     assert parse_config(admin).auth.admin_token_sha256 == sha("y")
     appended = add_key(REPLICAS, {"name": "a", "sha256": sha("a")})  # no auth section yet
     assert parse_config(appended).keys_required
+    for flow_auth in ("auth: {keys: []}\n", "auth: {keys: }\n", "auth: {keys: [], metrics: public}\n"):
+        added = add_key(flow_auth + REPLICAS, {"name": "a", "sha256": sha("a")})
+        assert [k.name for k in parse_config(added).auth.keys] == ["a"], added
 
 
 # ---- a real gateway with keys ---------------------------------------------------------------------
