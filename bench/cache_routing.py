@@ -301,16 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs)
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
-    selection = Selection()
-    if args.quick:
-        selection.quick()
-    selection.seed(args.seed)
-    if args.trace:
-        selection.trace.path = args.trace
-    if args.trace_requests:
-        selection.trace.requests = args.trace_requests
-    if args.trace_duration_s is not None:
-        selection.trace.duration_s = args.trace_duration_s or None
+    selection = Selection.from_args(args)
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

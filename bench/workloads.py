@@ -387,6 +387,22 @@ class Selection:
     def seed(self, seed: int) -> None:
         self.chat.seed = self.agent.seed = self.groups.seed = seed
 
+    @classmethod
+    def from_args(cls, args) -> "Selection":
+        """From a bench's flags: --quick, --seed, --trace (and --trace-requests, --trace-duration-s
+        where the bench has them)."""
+        selection = cls()
+        if args.quick:
+            selection.quick()
+        selection.seed(args.seed)
+        if args.trace:
+            selection.trace.path = args.trace
+        if getattr(args, "trace_requests", None):
+            selection.trace.requests = args.trace_requests
+        if getattr(args, "trace_duration_s", None) is not None:
+            selection.trace.duration_s = args.trace_duration_s or None
+        return selection
+
     def build(self, key: str) -> Workload:
         name = WORKLOADS.get(key, key)
         if name == "chat":
@@ -425,12 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-trace", nargs=2, metavar=("WORKLOAD", "FILE"),
                         help="write a workload as a Mooncake JSONL trace")
     args = parser.parse_args(argv)
-    selection = Selection()
-    if args.quick:
-        selection.quick()
-    selection.seed(args.seed)
-    if args.trace:
-        selection.trace.path = args.trace
+    selection = Selection.from_args(args)
     if args.write_trace:
         key, path = args.write_trace
         write_mooncake(selection.build(key), path)
