@@ -9,6 +9,7 @@ keeps a scrape that saw our own, since finished, requests from inflating the est
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -72,6 +73,11 @@ class LoadModel:
 class ReplicaLoad:
     waiting: int = 0                 # routed, no first token yet
     pending_prefill_tokens: int = 0  # uncached prompt tokens of those
+    # The same work as a fluid queue the replica drains at prefill_tokens_per_s since backlog_at:
+    # a request routed 100 ms ago is 100 ms into its prefill (or the one before it is), so what is
+    # left ahead of a new request is the smaller of the two (see queue_delay_s).
+    backlog_tokens: float = 0.0
+    backlog_at: float = 0.0
     decoding: int = 0                # streaming sequences
     decoding_context_tokens: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
@@ -92,8 +98,9 @@ class LoadEstimate:
 
 
 class LoadTracker:
-    def __init__(self, model: LoadModel | None = None) -> None:
+    def __init__(self, model: LoadModel | None = None, clock=time.monotonic) -> None:
         self.model = model or LoadModel()
+        self.clock = clock  # when requests are routed and prefilled (the drain of the backlog)
         self.replicas: dict[str, ReplicaLoad] = {}
         self._tickets = itertools.count(1)
 
@@ -113,7 +120,10 @@ class LoadTracker:
         `block_hashes`: the prompt's, remembered while it runs (see running_prefix)."""
         load = self._get(replica)
         load.waiting += 1
-        load.pending_prefill_tokens += max(prompt_tokens - cached_tokens, 0)
+        uncached = max(prompt_tokens - cached_tokens, 0)
+        load.pending_prefill_tokens += uncached
+        self._drain(load)
+        load.backlog_tokens += uncached
         ticket = next(self._tickets)
         if len(block_hashes):
             load.running_prompts[ticket] = block_hashes
@@ -124,6 +134,8 @@ class LoadTracker:
         load = self._get(replica)
         load.waiting = max(load.waiting - 1, 0)
         load.pending_prefill_tokens = max(load.pending_prefill_tokens - max(prompt_tokens - cached_tokens, 0), 0)
+        self._drain(load)
+        load.backlog_tokens = min(load.backlog_tokens, load.pending_prefill_tokens)
         load.decoding += 1
         load.decoding_context_tokens += prompt_tokens
 
@@ -138,6 +150,13 @@ class LoadTracker:
         load.decoding_context_tokens = max(load.decoding_context_tokens - prompt_tokens, 0)
         if ticket is not None:
             load.running_prompts.pop(ticket, None)
+
+    def _drain(self, load: ReplicaLoad) -> None:
+        """Fold the prefill done since backlog_at into the backlog (at the configured rate)."""
+        now = self.clock()
+        if now > load.backlog_at:
+            load.backlog_tokens = max(load.backlog_tokens - (now - load.backlog_at) * self.model.prefill_tokens_per_s, 0.0)
+            load.backlog_at = now
 
     def own_in_flight(self, replica: str) -> int:
         """Our own requests on `replica` (routed, not yet finished): the gateway's admission count."""
@@ -169,7 +188,10 @@ class LoadTracker:
 
     def queue_delay_s(self, replica: str, now: float) -> float:
         """Seconds a new request waits before its own prefill starts: the uncached prefill
-        ahead of it plus one decode step per pending token-step of the running batch."""
+        ahead of it plus one decode step per pending token-step of the running batch. The prefill
+        ahead is what the requests without a first token still need, less what the replica has
+        done since they were routed (at prefill_tokens_per_s): a 2,000-token prompt routed
+        200 ms ago is not 250 ms of work ahead any more."""
         return self.loads_and_delays((replica,), now)[1][0]
 
     def loads_and_delays(self, replicas, now: float) -> tuple[list[float], list[float]]:
@@ -184,6 +206,10 @@ class LoadTracker:
         for replica in replicas:
             load = get(replica) or self._get(replica)
             pending_tokens = load.pending_prefill_tokens
+            if pending_tokens:
+                elapsed = now - load.backlog_at
+                left = load.backlog_tokens - elapsed * tokens_per_s if elapsed > 0 else load.backlog_tokens
+                pending_tokens = min(pending_tokens, max(left, 0.0))
             waiting, running = load.waiting, load.decoding
             in_flight = waiting + running
             scraped = load.scraped

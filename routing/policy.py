@@ -88,7 +88,7 @@ class RoutingState:
 
     def __init__(self, tracker: LoadTracker | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  guess_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.tracker = tracker or LoadTracker()
+        self.tracker = tracker or LoadTracker(clock=clock)
         self.block_size = block_size
         self.guess_ttl_s = guess_ttl_s
         self.clock = clock

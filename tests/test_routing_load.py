@@ -34,6 +34,29 @@ def test_own_accounting_follows_a_request_through_its_life():
     assert tracker.in_flight("a", 0) == 0 and tracker.queue_delay_s("a", 0) == 0
 
 
+def test_the_prefill_ahead_drains_while_the_replica_works_on_it():
+    """A long prompt routed a while ago is partly prefilled: a new request does not wait for all of it
+    (routing a cache hit away from a replica whose queue was already half done is a miss)."""
+    now = [0.0]
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000, decode_step_base_s=0, decode_step_s_per_seq=0),
+                          clock=lambda: now[0])
+    tracker.on_routed("a", prompt_tokens=2000)
+    assert abs(tracker.queue_delay_s("a", 0.0) - 2.0) < 1e-9
+    assert abs(tracker.queue_delay_s("a", 0.5) - 1.5) < 1e-9
+    assert tracker.queue_delay_s("a", 3.0) == 0 and tracker.in_flight("a", 3.0) == 1  # still counted as load
+    now[0] = 1.0
+    tracker.on_routed("a", prompt_tokens=1000)  # 1000 left of the first + this one
+    assert abs(tracker.queue_delay_s("a", 1.0) - 2.0) < 1e-9
+    now[0] = 1.2
+    tracker.on_first_token("a", 2000)  # the first one is done: only the second's 1000 can be ahead
+    assert abs(tracker.queue_delay_s("a", 1.2) - 1.0) < 1e-9
+    assert abs(tracker.queue_delay_s("a", 1.7) - 0.5) < 1e-9
+    now[0] = 1.7
+    tracker.on_finished("a", 1000, started_decoding=False)
+    tracker.on_finished("a", 2000)
+    assert tracker.queue_delay_s("a", 1.7) == 0 and tracker.in_flight("a", 1.7) == 0
+
+
 def test_scraped_load_counts_until_stale():
     tracker = LoadTracker(LoadModel(stale_after_s=10))
     tracker.on_scrape("a", parse_load_metrics(VLLM), now=100)
