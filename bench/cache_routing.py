@@ -80,6 +80,12 @@ class RunResult:
     machine_cores: float          # CPU busy on the whole machine during the traffic, in cores
     server_cores: float           # of which the replicas and the router in front
     notes: list[str] = field(default_factory=list)
+    replica_ttft_mean_s: float = float("nan")  # the replicas' own TTFT (from arrival there), mean
+
+    @property
+    def added_ms(self) -> float:
+        """Client TTFT mean - the replicas' own: what the router in front added per request."""
+        return (sum(self.ttfts_s) / len(self.ttfts_s) - self.replica_ttft_mean_s) * 1000 if self.ttfts_s else float("nan")
 
     @property
     def max_over_mean(self) -> float:
@@ -109,9 +115,12 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
-def replica_counters(urls: list[str]) -> list[tuple[float, float, float]]:
+def replica_counters(urls: list[str]) -> list[tuple[float, ...]]:
+    """Per replica: prefix-cache hits, queries, requests served, and its own TTFT sum and count
+    (from the request's arrival at the replica: what the router in front adds is not in it)."""
     return [(metric(u, "vllm:prefix_cache_hits_total"), metric(u, "vllm:prefix_cache_queries_total"),
-             metric(u, "vllm:request_success_total")) for u in urls]
+             metric(u, "vllm:request_success_total"), metric(u, "vllm:time_to_first_token_seconds_sum"),
+             metric(u, "vllm:time_to_first_token_seconds_count")) for u in urls]
 
 
 def enter_server(stack: contextlib.ExitStack, start):
@@ -216,11 +225,14 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
     served = [round(a[2] - b[2]) for a, b in zip(after, before)]
+    replica_ttft_s = sum(a[3] - b[3] for a, b in zip(after, before))
+    replica_ttft_n = sum(a[4] - b[4] for a, b in zip(after, before))
     failed = [r for r in results if r.status != 200 or r.error]
     if failed:
         notes.append(f"first failure: {failed[0].error or failed[0].status}")
     return RunResult(router, hits / queries if queries else 0.0, served, ok_ttfts(results), len(failed), wall_s,
-                     machine_cores, server_cores, notes)
+                     machine_cores, server_cores, notes,
+                     replica_ttft_s / replica_ttft_n if replica_ttft_n else float("nan"))
 
 
 def machine_busy_s() -> float:
@@ -266,15 +278,16 @@ def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: 
     rows = [f"{workload.name}: {workload.description}; {len(workload.requests)} requests over "
             f"{workload.duration_s:.0f} s; {s.replicas} tiny replicas x {s.capacity_blocks} KV blocks",
             f"  {'router':<32}{'hit rate':>9}{'/oracle':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'max/mean':>10}"
-            f"{'failed':>8}{'cores':>11}  served per replica"]
+            f"{'failed':>8}{'cores':>11}{'added':>9}  served per replica"]
     for router, r in runs.items():
         rows.append(f"  {ROUTERS[router]:<32}{r.hit_rate:>9.1%}{r.hit_rate / oracle_hit if oracle_hit else float('nan'):>9.2f}"
                     f"{r.ttft_ms(50):>8.1f}ms{r.ttft_ms(99):>8.1f}ms{r.max_over_mean:>10.2f}{r.failures:>8}"
-                    f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}  {r.served}"
+                    f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}{r.added_ms:>7.2f}ms  {r.served}"
                     + "".join(f"\n      note: {n}" for n in r.notes))
     rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
     rows.append(f"  cores: CPU busy during the traffic, whole machine / replicas + router "
-                f"({os.cpu_count()} cores; the rest is the client and the neighbours)")
+                f"({os.cpu_count()} cores; the rest is the client and the neighbours); added: client TTFT "
+                f"mean - the replicas' own TTFT mean (what the router in front adds)")
     return "\n".join(rows)
 
 
