@@ -101,8 +101,8 @@ class UpstreamClient:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(origin, deadline)
-            conn.send(head, body)
             try:
+                conn.send(head, body)
                 await conn.head_arrived(deadline)
             except Disconnected:
                 conn.close()
@@ -332,10 +332,16 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers = {}
         self._to_eof = False
-        if len(body) <= 65536:
-            self.transport.write(head + body)
-        else:
-            self.transport.writelines((head, body))
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            raise Disconnected("connection closed by the replica")
+        try:
+            if len(body) <= 65536:
+                transport.write(head + body)
+            else:
+                transport.writelines((head, body))
+        except RuntimeError as exc:  # uvloop: the handle closed under us (the replica died just now)
+            raise Disconnected(f"connection closed by the replica: {exc}") from None
 
     async def head_arrived(self, deadline: float | None) -> None:
         while self._state == _HEAD:

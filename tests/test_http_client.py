@@ -8,7 +8,12 @@ import asyncio
 import msgspec
 import pytest
 
-from gateway.http_client import BadResponse, ConnectFailed, Disconnected, Origin, UpstreamClient
+import socket
+import struct
+
+import uvloop
+
+from gateway.http_client import BadResponse, ConnectFailed, Disconnected, HttpClientError, Origin, UpstreamClient
 from protocol.stream_chunks import MalformedEvent, decode_events, strip_token_ids
 from tests.servers import free_port
 
@@ -129,6 +134,47 @@ def test_refused_and_garbage_answers_are_named():
         await client.close()
         server.close()
     run(main())
+
+
+def test_a_replica_that_resets_each_connection_at_once_is_a_disconnect_never_a_crash():
+    """A replica dying as the gateway connects (SIGKILL mid-chaos: the kernel completed the
+    handshake, then RSTs): on uvloop, as the gateway runs, a write to a transport that just closed
+    raised RuntimeError, which the proxy answered as a 500 instead of trying another replica."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    origin = Origin(f"http://127.0.0.1:{listener.getsockname()[1]}")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        resets = 0
+
+        async def reset_each():
+            nonlocal resets
+            while True:
+                conn, _ = await loop.sock_accept(listener)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()  # RST
+                resets += 1
+
+        acceptor = asyncio.create_task(reset_each())
+        client = UpstreamClient(connect_timeout_s=2)
+        outcomes = []
+        for _ in range(40):
+            try:
+                await client.post(origin, "/v1/completions", b"{}", deadline=loop.time() + 2)
+                outcomes.append("answered")
+            except HttpClientError as exc:
+                outcomes.append(type(exc).__name__)
+        acceptor.cancel()
+        await client.close()
+        return outcomes, resets
+
+    outcomes, resets = uvloop.run(main())
+    listener.close()
+    assert resets >= 1
+    assert set(outcomes) <= {"Disconnected", "ConnectFailed"}, outcomes
 
 
 def chunk(**fields) -> bytes:
