@@ -258,14 +258,12 @@ class Answer:
             chunk = usage_chunk(chunk_base(base["id"], base["created"], self.spec.model, self.spec.chat),
                                 self._usage())
             tail = event(chunk) + DONE_EVENT
-        await self.exchange.write(tail)
+        await self.exchange.close_stream(tail)
         self.delivered = True
-        await self.exchange.close_stream()
 
     async def fail_in_band(self, status: int, message: str) -> None:
         """Headers went out, and the answer cannot be finished: say so in the stream, as vLLM does."""
-        await self.exchange.write(event(error_body(message, "upstream_error", None, status)) + DONE_EVENT)
-        await self.exchange.close_stream()
+        await self.exchange.close_stream(event(error_body(message, "upstream_error", None, status)) + DONE_EVENT)
 
 
 class InBandError(Exception):

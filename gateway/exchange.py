@@ -35,8 +35,10 @@ class Exchange:
         """Part of the stream; raises ClientGone when the client hung up."""
         raise NotImplementedError
 
-    async def close_stream(self) -> None:
-        """The stream's end (a client that already hung up is not an error here)."""
+    async def close_stream(self, last: bytes = b"") -> None:
+        """The stream's end, after `last` (its final events, sent with the end in one write; raises
+        ClientGone like write() when they cannot be). Without `last`, a client that already hung up
+        is not an error here."""
         raise NotImplementedError
 
     async def respond(self, status: int, body: bytes, headers: dict[str, str],
@@ -79,7 +81,9 @@ class AiohttpExchange(Exchange):
         except ConnectionResetError:  # aiohttp's is also a ClientError: keep it apart from upstream's
             raise ClientGone() from None
 
-    async def close_stream(self) -> None:
+    async def close_stream(self, last: bytes = b"") -> None:
+        if last:
+            await self.write(last)
         try:
             await self.response.write_eof()
         except ConnectionResetError:

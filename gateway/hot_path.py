@@ -245,11 +245,14 @@ class HotExchange(Exchange):
         if conn.write_paused:
             await conn.drain()
 
-    async def close_stream(self) -> None:
-        try:
-            self.conn.send(b"0\r\n\r\n")
-        except ClientGone:
-            pass
+    async def close_stream(self, last: bytes = b"") -> None:
+        if last:  # the final events and the end in one write (one syscall, one segment)
+            self.conn.send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last))
+        else:
+            try:
+                self.conn.send(b"0\r\n\r\n")
+            except ClientGone:
+                pass
         self.conn.response_done(self.keep_alive)
 
     async def respond(self, status: int, body: bytes, headers: dict[str, str],

@@ -159,8 +159,7 @@ class Proxy:
             return
         record.failed_after_headers = True  # its 200 is out: the error goes in-band, as vLLM does
         try:
-            await exchange.write(event(error_body(err.message, err.type, err.param, err.code)) + DONE_EVENT)
-            await exchange.close_stream()
+            await exchange.close_stream(event(error_body(err.message, err.type, err.param, err.code)) + DONE_EVENT)
         except ClientGone:
             pass
 
