@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         name = WORKLOADS[key]
         for router, r in results[key].items():
             print(f"figure {name}_{router}_hit_rate: {r.hit_rate:.3f}")
+            print(f"figure {name}_{router}_replica_ttft_mean_ms: {r.replica_ttft_mean_s * 1000:.1f}")
         print(f"figure {name}_oracle_hit_rate: {oracles[key]:.3f}")
     for key in workloads:
         for line in workload_targets(WORKLOADS[key], results[key], oracles[key]):
