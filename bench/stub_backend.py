@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -305,6 +307,9 @@ async def serve(app: web.Application, host: str, port: int) -> None:
 
 
 
+OUTPUT_KEPT = 200  # lines of a StubProcess's stdout kept for a report
+
+
 class StubProcess:
     """The stub as a child process, for benches and tests: `with StubProcess() as stub: stub.url`.
 
@@ -322,6 +327,7 @@ class StubProcess:
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen | None = None
         self.url = ""
+        self.output: collections.deque[str] = collections.deque(maxlen=OUTPUT_KEPT)
 
     @property
     def pid(self) -> int:
@@ -339,7 +345,19 @@ class StubProcess:
         except BaseException:
             self.stop()
             raise
+        # Keep reading its stdout (the lines it logs, a traceback per failed request): a pipe
+        # nobody reads fills up at 64 KiB and the stub then blocks in its next log write, for good.
+        threading.Thread(target=self._drain, args=(self.process.stdout,), daemon=True,
+                         name=f"stub-{self.process.pid}-stdout").start()
         return self
+
+    def _drain(self, stdout) -> None:
+        for raw in iter(stdout.readline, b""):
+            self.output.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def output_tail(self) -> list[str]:
+        """Its last OUTPUT_KEPT lines of stdout (after the ready line)."""
+        return list(self.output)
 
     def __exit__(self, *exc) -> None:
         self.stop()

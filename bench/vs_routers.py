@@ -171,19 +171,32 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
     router.failed[workload] += failed
 
 
+STUB_RECOVERY_S = 30.0  # how long a stub may take to answer again after a router's phase
+
+
 class StubsDown(RuntimeError):
     """A phase left the stubs not answering: every later figure would be NaN."""
 
 
-def check_stubs(stub_urls: list[str], after: str) -> None:
-    """Every stub still answers /v1/models within 5 s, else StubsDown naming the phase before."""
+def check_stubs(stub_urls: list[str], after: str, say=None, recovery_s: float = STUB_RECOVERY_S) -> None:
+    """Every stub answers /v1/models again within `recovery_s` (each try 5 s), else StubsDown
+    naming the phase before; a stub that needed more than one try is reported through `say`."""
     for url in stub_urls:
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
-                answer.read()
-        except OSError as exc:
-            raise StubsDown(f"stub {url} stopped answering after {after} ({exc}); the figures from here on "
-                            "would be failures, so the run stops. Leave that router out with --routers.") from None
+        started = time.monotonic()
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
+                    answer.read()
+                break
+            except OSError as exc:
+                if time.monotonic() - started >= recovery_s:
+                    raise StubsDown(f"stub {url} stopped answering after {after} ({exc}, for {recovery_s:g} s); the "
+                                    "figures from here on would be failures, so the run stops. Leave that router "
+                                    "out with --routers.") from None
+                time.sleep(0.5)
+        waited = time.monotonic() - started
+        if waited > 5 and say is not None:
+            say(f"stub {url} answered again {waited:.0f} s after {after}")
 
 
 def open_loop(url: str, stream: bool, settings: Settings, seed: int, loadgen: LoadgenProcess) -> PhaseResult:
@@ -339,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         stubs = [stack.enter_context(StubProcess(output_tokens=OUTPUT_TOKENS, stderr=subprocess.DEVNULL))
                  for _ in range(STUBS)]
         stub_urls = [stub.url for stub in stubs]
+
+        def stubs_said() -> None:  # what the stubs logged (a traceback per request that failed there)
+            for stub in stubs:
+                if lines := [line for line in stub.output_tail() if line.strip()]:
+                    errors = [line for line in lines if "Error" in line or "Exception" in line]
+                    progress(f"stub {stub.url} logged {len(lines)}+ lines; the last error: {(errors or lines)[-1][:300]}")
+        stack.callback(stubs_said)
         progress(f"{STUBS} stubs up: {', '.join(stub_urls)}")
         routers, missing = start_routers(stack, workdir, stub_urls, wanted, progress)
         for line in missing:
@@ -360,14 +380,14 @@ def main(argv: list[str] | None = None) -> int:
             order = routers[round_index % len(routers):] + routers[:round_index % len(routers)]
             for router in order:
                 saturate(router, "fixed", settings, scripts, loadgen, offset)
-                check_stubs(stub_urls, f"{router.name}'s saturation phase")
+                check_stubs(stub_urls, f"{router.name}'s saturation phase", progress)
                 progress(f"saturation round {round_index + 1}/{settings.rounds}: {router.name} "
                          f"{router.cpu_us_per_request('fixed'):.0f} us/req so far")
         for round_index in range(settings.unique_rounds):
             for router in routers:
                 offset += 10_000_000
                 saturate(router, "unique", settings, scripts, loadgen, offset)
-                check_stubs(stub_urls, f"{router.name}'s unique-prompt phase")
+                check_stubs(stub_urls, f"{router.name}'s unique-prompt phase", progress)
                 progress(f"unique prompts: {router.name} {router.cpu_us_per_request('unique'):.0f} us/req")
 
         direct_latency: list[PhaseResult] = []
