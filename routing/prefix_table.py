@@ -245,10 +245,7 @@ class PrefixTable:
     def _probe(self, key: int, oldest_live: int) -> int:
         """One block's replica bitmask (guesses stamped before `oldest_live` removed; 0: none
         expire), in scalar Python."""
-        mixed = (key * _MIX_INT) & _MASK64
-        nb = self._nb
-        for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
-            bucket = (half * nb) >> 32
+        for bucket in self._choices(key):
             row = self._lines[bucket].tolist()  # key, held, key, held, ...
             lanes = row[0::2]
             if key in lanes:
@@ -298,7 +295,10 @@ class PrefixTable:
 
         A guess never downgrades a block a KV event confirmed; a confirmation clears the guess."""
         ring = self._rings[replica]
-        if len(hashes) <= _SMALL_INSERT and self._touch(replica, hashes, guessed, now):
+        if len(hashes) <= _SMALL_INSERT:
+            if self._touch(replica, hashes, guessed, now):
+                return
+            self._insert_small(replica, ring, hashes, guessed, now)
             return
         bit = _ONE << _U64(self._index[replica])
         keys = np.unique(as_block_keys(hashes))
@@ -332,6 +332,92 @@ class PrefixTable:
         if new_keys.size:
             self._place(new_keys, bit, bit if guessed else _U64(0), tick)
 
+    def _insert_small(self, replica: str, ring: _Ring, hashes, guessed: bool, now: float) -> None:
+        """insert() of a few blocks, some new, in scalar Python: the same steps as the numpy path
+        (whose ~40 array calls cost ~150 us however few the blocks: a new short prompt's guess,
+        on every request with a new prompt), with the ring's CLOCK still numpy's."""
+        index = self._index[replica]
+        bit = 1 << index
+        keys = sorted({int(key) or 1 for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)})
+        if not keys:
+            return
+        keys = keys[:len(ring.hashes)]
+        tick = self._tick(now)
+        if guessed:
+            self._guessing |= bit
+        lines, gs_guessed, stamp = self._lines, self._guessed, self._stamp
+        entries, new_keys = [], []
+        for key in keys:
+            slot = self._slot_of(key)
+            if slot < 0:
+                new_keys.append(key)
+                continue
+            bucket, lane = slot >> _LANE_BITS, slot & (SLOTS_PER_BUCKET - 1)
+            held = int(lines[bucket, 2 * lane + 1])
+            if not held & bit:
+                lines[bucket, 2 * lane + 1] = held | bit
+                entries.append(key)
+                if guessed:
+                    gs_guessed[slot] = int(gs_guessed[slot]) | bit
+            if not guessed:
+                gs_guessed[slot] = int(gs_guessed[slot]) & ~bit
+            stamp[slot] = tick
+        entries += new_keys
+        if not entries:
+            return
+        ring_entries = np.array(entries, dtype=_U64)
+        slots = self._ring_slots(replica, ring, _ONE << _U64(index), len(entries), tick,
+                                 protect=np.array(keys, dtype=_U64))
+        ring.hashes[slots] = ring_entries
+        ring.seen[slots] = tick
+        self._sizes[replica] += len(entries)
+        if new_keys:
+            self._place_small(new_keys, bit, bit if guessed else 0, tick)
+
+    def _choices(self, key: int) -> tuple[int, int]:
+        """A key's two buckets, as _buckets computes them (scalar)."""
+        mixed = (key * _MIX_INT) & _MASK64
+        nb = self._nb
+        return ((mixed & 0xFFFF_FFFF) * nb) >> 32, ((mixed >> 32) * nb) >> 32
+
+    def _slot_of(self, key: int) -> int:
+        """The flat slot holding `key`, or -1 (scalar _lookup)."""
+        for bucket in self._choices(key):
+            row = self._lines[bucket, 0::2].tolist()
+            if key in row:
+                return bucket * SLOTS_PER_BUCKET + row.index(key)
+        return -1
+
+    def _place_small(self, keys: list[int], held: int, guessed: int, stamp: int) -> None:
+        """_place for a few keys not in the table, in scalar Python, slot for slot as _place puts
+        them: each key's less-full bucket as both stood before this call (the first choice when
+        equally full), lanes in key order; the keys that found it full, then the other bucket as
+        the buckets stand after that round; both full (rare) goes through _place's eviction."""
+        lines = self._lines
+        pending = [(key, *self._choices(key)) for key in keys]
+        for attempt in range(2):
+            if not pending:
+                return
+            fills = [(int(np.count_nonzero(lines[first, 0::2])), int(np.count_nonzero(lines[second, 0::2])))
+                     for _, first, second in pending]
+            left = []
+            for (key, first, second), (fill1, fill2) in zip(pending, fills):
+                bucket = first if (fill1 <= fill2 if attempt == 0 else fill1 > fill2) else second
+                row = lines[bucket, 0::2].tolist()
+                if 0 not in row:
+                    left.append((key, first, second))
+                    continue
+                lane = row.index(0)
+                slot = bucket * SLOTS_PER_BUCKET + lane
+                lines[bucket, 2 * lane] = key
+                lines[bucket, 2 * lane + 1] = held
+                self._guessed[slot] = guessed
+                self._stamp[slot] = stamp
+            pending = left
+        if pending:
+            self._place(np.array([key for key, _, _ in pending], dtype=_U64), _U64(held), _U64(guessed),
+                        np.uint32(stamp))
+
     def _touch(self, replica: str, hashes, guessed: bool, now: float) -> bool:
         """insert() of a few blocks the replica already holds (a repeated prompt's guess, the common
         case of commit) in scalar Python: the numpy path's ~15 array calls cost ~50 us for 2 blocks,
@@ -362,10 +448,7 @@ class PrefixTable:
 
     def _slot_held(self, key: int, index: int) -> int:
         """The flat slot of `key` if the replica with bit `index` holds it, else -1 (scalar _lookup)."""
-        mixed = (key * _MIX_INT) & _MASK64
-        nb = self._nb
-        for half in (mixed & 0xFFFF_FFFF, mixed >> 32):  # the two choices, as _buckets computes them
-            bucket = (half * nb) >> 32
+        for bucket in self._choices(key):
             row = self._lines[bucket].tolist()  # key, held, key, held, ...
             for lane in range(SLOTS_PER_BUCKET):
                 if row[2 * lane] == key:

@@ -15,10 +15,10 @@ from routing.prefix_table import PrefixTable
 from tests.test_gateway import metric
 
 
-def _tables() -> tuple[PrefixTable, PrefixTable]:
+def _tables(expected_blocks: int = 4096) -> tuple[PrefixTable, PrefixTable]:
     tables = []
     for _ in range(2):
-        table = PrefixTable(expected_blocks=4096, guess_ttl_s=300.0)
+        table = PrefixTable(expected_blocks=expected_blocks, guess_ttl_s=300.0)
         for name in ("a", "b", "c"):
             table.add_replica(name, 64)
         tables.append(table)
@@ -30,8 +30,11 @@ def _state(table: PrefixTable) -> tuple:
     return (table._lines.tolist(), table._gs.tolist(), rings, dict(table._sizes), table._guessing)
 
 
-def test_the_scalar_touch_leaves_the_table_as_the_array_path_does(monkeypatch):
-    fast, slow = _tables()
+@pytest.mark.parametrize("expected_blocks", [4096, 64])  # 64: buckets overflow (second choice, eviction)
+def test_the_scalar_touch_and_small_insert_leave_the_table_as_the_array_path_does(monkeypatch, expected_blocks):
+    """Inserts of up to 16 blocks (every short prompt's guess) run in scalar Python: slot for slot
+    what the numpy path writes, ring evictions and full buckets included."""
+    fast, slow = _tables(expected_blocks)
     rng = random.Random(3)
     prompts = [np.array(block_hashes([rng.randrange(500) for _ in range(rng.randrange(16, 200))]), dtype=np.uint64)
                for _ in range(40)]
