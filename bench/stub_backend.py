@@ -129,8 +129,8 @@ def _json_response(obj) -> web.Response:
 
 async def _sse_response(request: web.Request, events) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     try:
+        await response.prepare(request)
         for item in events:  # one write per chunk, as a real server flushes each token
             await response.write(event(item))
         await response.write(DONE_EVENT)
