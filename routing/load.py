@@ -97,6 +97,12 @@ class LoadEstimate:
     scraped_fresh: bool
 
 
+def _backlog_left(load: ReplicaLoad, now: float, tokens_per_s: float) -> float:
+    """The backlog as it stands at `now`: what it was at backlog_at, less the prefill since."""
+    elapsed = now - load.backlog_at
+    return max(load.backlog_tokens - elapsed * tokens_per_s, 0.0) if elapsed > 0 else load.backlog_tokens
+
+
 class LoadTracker:
     def __init__(self, model: LoadModel | None = None, clock=time.monotonic) -> None:
         self.model = model or LoadModel()
@@ -155,7 +161,7 @@ class LoadTracker:
         """Fold the prefill done since backlog_at into the backlog (at the configured rate)."""
         now = self.clock()
         if now > load.backlog_at:
-            load.backlog_tokens = max(load.backlog_tokens - (now - load.backlog_at) * self.model.prefill_tokens_per_s, 0.0)
+            load.backlog_tokens = _backlog_left(load, now, self.model.prefill_tokens_per_s)
             load.backlog_at = now
 
     def own_in_flight(self, replica: str) -> int:
@@ -207,9 +213,7 @@ class LoadTracker:
             load = get(replica) or self._get(replica)
             pending_tokens = load.pending_prefill_tokens
             if pending_tokens:
-                elapsed = now - load.backlog_at
-                left = load.backlog_tokens - elapsed * tokens_per_s if elapsed > 0 else load.backlog_tokens
-                pending_tokens = min(pending_tokens, max(left, 0.0))
+                pending_tokens = min(pending_tokens, _backlog_left(load, now, tokens_per_s))
             waiting, running = load.waiting, load.decoding
             in_flight = waiting + running
             scraped = load.scraped

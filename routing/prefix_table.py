@@ -42,7 +42,7 @@ _MASK64 = (1 << 64) - 1
 _SHIFT32 = np.uint64(32)
 _ZERO = np.uint64(0)
 _GUESS_RECORD = np.dtype([("guessed", _U64), ("stamp", np.uint32)])  # packed: 12 bytes
-_SMALL_INSERT = 16  # inserts of at most this many blocks try the scalar path first (see _touch)
+_SMALL_INSERT = 16  # inserts of at most this many blocks take the scalar path (see _insert_small)
 
 
 def _cell(slot):
@@ -245,17 +245,10 @@ class PrefixTable:
     def _probe(self, key: int, oldest_live: int) -> int:
         """One block's replica bitmask (guesses stamped before `oldest_live` removed; 0: none
         expire), in scalar Python."""
-        for bucket in self._choices(key):
-            row = self._lines[bucket].tolist()  # key, held, key, held, ...
-            lanes = row[0::2]
-            if key in lanes:
-                lane = lanes.index(key)
-                slot = bucket * SLOTS_PER_BUCKET + lane
-                held = row[2 * lane + 1]
-                if oldest_live and int(self._stamp[slot]) < oldest_live:
-                    held &= ~int(self._guessed[slot])
-                return held
-        return 0
+        slot, held = self._find_one(key)
+        if slot >= 0 and oldest_live and int(self._stamp[slot]) < oldest_live:
+            held &= ~int(self._guessed[slot])
+        return held
 
     def _held_per_key(self, keys: np.ndarray, oldest_live: int) -> np.ndarray:
         """Replica bitmask of each key (0 where absent), guesses stamped before `oldest_live`
@@ -296,8 +289,6 @@ class PrefixTable:
         A guess never downgrades a block a KV event confirmed; a confirmation clears the guess."""
         ring = self._rings[replica]
         if len(hashes) <= _SMALL_INSERT:
-            if self._touch(replica, hashes, guessed, now):
-                return
             self._insert_small(replica, ring, hashes, guessed, now)
             return
         bit = _ONE << _U64(self._index[replica])
@@ -333,9 +324,10 @@ class PrefixTable:
             self._place(new_keys, bit, bit if guessed else _U64(0), tick)
 
     def _insert_small(self, replica: str, ring: _Ring, hashes, guessed: bool, now: float) -> None:
-        """insert() of a few blocks, some new, in scalar Python: the same steps as the numpy path
-        (whose ~40 array calls cost ~150 us however few the blocks: a new short prompt's guess,
-        on every request with a new prompt), with the ring's CLOCK still numpy's."""
+        """insert() of a few blocks in scalar Python: the same steps as the numpy path, whose ~40
+        array calls cost ~150 us however few the blocks (a short prompt's guess, on every request):
+        ~1 us a block the replica holds already (a repeated prompt: stamps touched, a confirmation
+        clears the guess), the ring's CLOCK still numpy's for blocks new to it."""
         index = self._index[replica]
         bit = 1 << index
         keys = sorted({int(key) or 1 for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)})
@@ -348,14 +340,12 @@ class PrefixTable:
         lines, gs_guessed, stamp = self._lines, self._guessed, self._stamp
         entries, new_keys = [], []
         for key in keys:
-            slot = self._slot_of(key)
+            slot, held = self._find_one(key)
             if slot < 0:
                 new_keys.append(key)
                 continue
-            bucket, lane = slot >> _LANE_BITS, slot & (SLOTS_PER_BUCKET - 1)
-            held = int(lines[bucket, 2 * lane + 1])
             if not held & bit:
-                lines[bucket, 2 * lane + 1] = held | bit
+                lines[slot >> _LANE_BITS, 2 * (slot & (SLOTS_PER_BUCKET - 1)) + 1] = held | bit
                 entries.append(key)
                 if guessed:
                     gs_guessed[slot] = int(gs_guessed[slot]) | bit
@@ -365,10 +355,9 @@ class PrefixTable:
         entries += new_keys
         if not entries:
             return
-        ring_entries = np.array(entries, dtype=_U64)
         slots = self._ring_slots(replica, ring, _ONE << _U64(index), len(entries), tick,
                                  protect=np.array(keys, dtype=_U64))
-        ring.hashes[slots] = ring_entries
+        ring.hashes[slots] = np.array(entries, dtype=_U64)
         ring.seen[slots] = tick
         self._sizes[replica] += len(entries)
         if new_keys:
@@ -380,13 +369,15 @@ class PrefixTable:
         nb = self._nb
         return ((mixed & 0xFFFF_FFFF) * nb) >> 32, ((mixed >> 32) * nb) >> 32
 
-    def _slot_of(self, key: int) -> int:
-        """The flat slot holding `key`, or -1 (scalar _lookup)."""
+    def _find_one(self, key: int) -> tuple[int, int]:
+        """(flat slot, replica bitmask) of `key`, or (-1, 0) when absent (scalar _lookup)."""
         for bucket in self._choices(key):
-            row = self._lines[bucket, 0::2].tolist()
-            if key in row:
-                return bucket * SLOTS_PER_BUCKET + row.index(key)
-        return -1
+            row = self._lines[bucket].tolist()  # key, held, key, held, ...
+            lanes = row[0::2]
+            if key in lanes:
+                lane = lanes.index(key)
+                return bucket * SLOTS_PER_BUCKET + lane, row[2 * lane + 1]
+        return -1, 0
 
     def _place_small(self, keys: list[int], held: int, guessed: int, stamp: int) -> None:
         """_place for a few keys not in the table, in scalar Python, slot for slot as _place puts
@@ -417,43 +408,6 @@ class PrefixTable:
         if pending:
             self._place(np.array([key for key, _, _ in pending], dtype=_U64), _U64(held), _U64(guessed),
                         np.uint32(stamp))
-
-    def _touch(self, replica: str, hashes, guessed: bool, now: float) -> bool:
-        """insert() of a few blocks the replica already holds (a repeated prompt's guess, the common
-        case of commit) in scalar Python: the numpy path's ~15 array calls cost ~50 us for 2 blocks,
-        this ~1 us a block. Same effect: stamps touched, a confirmation clears the guess. False (and
-        nothing changed) when a block is absent or not held by the replica: the numpy path runs."""
-        index = self._index[replica]
-        slots = []
-        for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes):
-            slot = self._slot_held(int(key) or 1, index)
-            if slot < 0:
-                return False
-            slots.append(slot)
-        if len(slots) > len(self._rings[replica].hashes):
-            return False
-        tick = self._tick(now)
-        stamp = self._stamp
-        if guessed:
-            self._guessing |= 1 << index
-            for slot in slots:
-                stamp[slot] = tick
-        else:
-            keep = ~(_ONE << _U64(index))
-            guesses = self._guessed
-            for slot in slots:
-                stamp[slot] = tick
-                guesses[slot] &= keep
-        return True
-
-    def _slot_held(self, key: int, index: int) -> int:
-        """The flat slot of `key` if the replica with bit `index` holds it, else -1 (scalar _lookup)."""
-        for bucket in self._choices(key):
-            row = self._lines[bucket].tolist()  # key, held, key, held, ...
-            for lane in range(SLOTS_PER_BUCKET):
-                if row[2 * lane] == key:
-                    return bucket * SLOTS_PER_BUCKET + lane if row[2 * lane + 1] >> index & 1 else -1
-        return -1
 
     def remove(self, replica: str, hashes) -> None:
         """The replica evicted these blocks (BlockRemoved)."""
