@@ -84,18 +84,20 @@ class Answer:
         return self.exchange.streaming
 
     # ---- the client's stream -------------------------------------------------------------------
-    async def open_stream(self) -> None:
-        """Send the client's SSE head (once, when the first try answers 200)."""
+    async def open_stream(self, hold: bool = False) -> None:
+        """Send the client's SSE head (once, when the first try answers 200); `hold` as in
+        Exchange.open_stream."""
         if self.exchange.streaming or not self.spec.stream:
             return
         await self.exchange.open_stream({**self.reply_headers, "content-type": "text/event-stream",
-                                         "cache-control": "no-cache"})
+                                         "cache-control": "no-cache"}, hold)
 
     # ---- upstream events -----------------------------------------------------------------------
-    async def on_events(self, events: list[bytes]) -> None:
+    async def on_events(self, events: list[bytes], last: bool = False) -> None:
         """The events of one read from the replica, in order; what the client gets of them goes
         out in one write (token IDs cut out of the whole batch at once when the client did not
-        ask for them)."""
+        ask for them). `last`: the replica's answer ended with this read, so when it is complete
+        the write waits for the stream's end to go out with it."""
         try:
             kept, chunks = decode_events(events)
         except MalformedEvent as exc:
@@ -111,7 +113,7 @@ class Answer:
                 data = b"\n\n".join(out) + b"\n\n"
                 if not self.spec.wants_token_ids:
                     data = strip_token_ids(data)
-                await self.exchange.write(data)
+                await self.exchange.write(data, hold=last and self.finish_reason is not None)
 
     def _on_chunk(self, events: list[bytes], index: int, chunk: Chunk, now: float, out: list[bytes]) -> None:
         """One chunk: the record and the answer learn from it, and `out` gets its event as the

@@ -27,12 +27,15 @@ class Exchange:
     async def body(self) -> bytes:
         raise NotImplementedError
 
-    async def open_stream(self, headers: dict[str, str]) -> None:
-        """Send a 200 with an event-stream body; writes follow."""
+    async def open_stream(self, headers: dict[str, str], hold: bool = False) -> None:
+        """Send a 200 with an event-stream body; writes follow. `hold`: the caller writes at once
+        (the first events are at hand), so the head may go out with them in one write."""
         raise NotImplementedError
 
-    async def write(self, data: bytes) -> None:
-        """Part of the stream; raises ClientGone when the client hung up."""
+    async def write(self, data: bytes, hold: bool = False) -> None:
+        """Part of the stream; raises ClientGone when the client hung up. `hold`: the caller
+        writes again at once (close_stream follows), so the data may go out with that write.
+        Held bytes never wait past the loop's next turn."""
         raise NotImplementedError
 
     async def close_stream(self, last: bytes = b"") -> None:
@@ -69,13 +72,13 @@ class AiohttpExchange(Exchange):
     async def body(self) -> bytes:
         return await self.request.read()
 
-    async def open_stream(self, headers: dict[str, str]) -> None:
+    async def open_stream(self, headers: dict[str, str], hold: bool = False) -> None:
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(self.request)
         self.response = response
         self.streaming = True
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, hold: bool = False) -> None:
         try:
             await self.response.write(data)
         except ConnectionResetError:  # aiohttp's is also a ClientError: keep it apart from upstream's

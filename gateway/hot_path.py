@@ -202,7 +202,7 @@ class _HotResponse:
 
 class HotExchange(Exchange):
     __slots__ = ("conn", "request", "request_id", "headers", "grant", "streaming", "body_bytes", "keep_alive",
-                 "hooks")
+                 "hooks", "_held")
 
     def __init__(self, conn: "HotProtocol", request: _HotRequest, request_id: str, keep_alive: bool,
                  hooks: tuple) -> None:
@@ -215,6 +215,7 @@ class HotExchange(Exchange):
         self.body_bytes = b""
         self.keep_alive = keep_alive
         self.hooks = hooks
+        self._held = b""  # stream bytes written with the next write (see _hold)
 
     async def body(self) -> bytes:
         return self.body_bytes
@@ -234,26 +235,52 @@ class HotExchange(Exchange):
             lines.append("Connection: close")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
-    async def open_stream(self, headers: dict[str, str]) -> None:
+    async def open_stream(self, headers: dict[str, str], hold: bool = False) -> None:
         head = await self._head(200, headers, "Transfer-Encoding: chunked")
         self.streaming = True
-        self.conn.send(head)
+        if hold:
+            self._hold(head)
+        else:
+            self.conn.send(head)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, hold: bool = False) -> None:
+        chunk = b"%x\r\n%b\r\n" % (len(data), data)
+        if hold:
+            self._hold(chunk)
+            return
         conn = self.conn
-        conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+        if self._held:
+            chunk, self._held = self._held + chunk, b""
+        conn.send(chunk)
         if conn.write_paused:
             await conn.drain()
 
     async def close_stream(self, last: bytes = b"") -> None:
+        held, self._held = self._held, b""
         if last:  # the final events and the end in one write (one syscall, one segment)
-            self.conn.send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last))
+            self.conn.send(b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(last), last))
         else:
             try:
-                self.conn.send(b"0\r\n\r\n")
+                self.conn.send(held + b"0\r\n\r\n")
             except ClientGone:
                 pass
         self.conn.response_done(self.keep_alive)
+
+    def _hold(self, data: bytes) -> None:
+        """Keep `data` for the next write: a stream's head and its first events, or its last
+        events and its end, leave in one syscall. The loop's next turn sends whatever is still
+        held (the caller wrote nothing more after all)."""
+        if not self._held:
+            asyncio.get_running_loop().call_soon(self._send_held)
+        self._held += data
+
+    def _send_held(self) -> None:
+        held, self._held = self._held, b""
+        if held:
+            try:
+                self.conn.send(held)
+            except ClientGone:
+                pass  # its next write says so
 
     async def respond(self, status: int, body: bytes, headers: dict[str, str],
                       content_type: str = "application/json") -> None:

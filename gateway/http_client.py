@@ -216,7 +216,14 @@ class Response:
 
     @property
     def complete(self) -> bool:
+        """The whole body arrived and was read."""
         return self._conn.body_done
+
+    @property
+    def body_at_hand(self) -> bool:
+        """read_some() returns at once: body bytes (or the body's end) already arrived."""
+        conn = self._conn
+        return bool(conn._body) or conn._state == _DONE
 
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if the answer was read to its end."""

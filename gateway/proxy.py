@@ -402,7 +402,7 @@ class Proxy:
                 raise await self._status_error(upstream, replica, first_deadline)
             replica.last_progress_s = loop.time()
             exchange.no_delay()
-            await answer.open_stream()
+            await answer.open_stream(hold=upstream.body_at_hand)
             splitter = EventSplitter()
             # Before the first token, wake every itl_s too: a replica that health checks took out
             # of rotation meanwhile (frozen, its engine dead) loses the request at once.
@@ -416,7 +416,7 @@ class Proxy:
                         now = replica.last_progress_s = loop.time()
                         events = splitter.feed(data)
                         if events:
-                            await answer.on_events(events)
+                            await answer.on_events(events, last=upstream.complete)
                         if not attempt.started_decoding and record.first_token_s is not None:
                             attempt.first_token()  # prefilled: the load tracker now counts it decoding
                         if attempt.started_decoding:

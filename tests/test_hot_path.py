@@ -4,6 +4,7 @@ in order, a connection that asks for anything else is handed to aiohttp and keep
 every request ends in exactly one record with its token IDs, however many run at once."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -156,3 +157,48 @@ def test_every_request_ends_in_exactly_one_record_with_its_token_ids(gateway):
         time.sleep(0.05)
     assert sorted(r["request_id"] for r in records) == sorted(ids)  # one each, none twice
     assert all(r["status"] == 200 and len(r["output_token_ids"]) == 5 and r["prompt_token_ids"] for r in records)
+
+
+def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(tmp_path):
+    """The gateway holds a stream's head to send it with the first events when the replica's head
+    came with body bytes; when those bytes give the client nothing (a keep-alive comment) the head
+    must still go out at once, not when the first token does."""
+    from aiohttp import web
+
+    from replica.tiny import tiny_checkpoint_dir
+    from tests.servers import openai_upstream
+
+    async def completions(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        response._send_headers_immediately = False  # aiohttp then sends the head with the comment, one write
+        await response.prepare(request)
+        await response.write(b": keep-alive\n\n")
+        await asyncio.sleep(1.5)
+        for text, finish in ((" a", None), (" b", "length")):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "slow",
+                     "choices": [{"index": 0, "text": text, "token_ids": [7], "finish_reason": finish}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    with openai_upstream("slow", completions) as upstream:
+        port = free_port()
+        config = tmp_path / "gateway.yaml"
+        config.write_text(
+            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
+            f"routing: {{policy: round_robin}}\nreplicas:\n"
+            f"  - {{name: slow-0, url: '{upstream}', model: slow, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+        with run_gateway(config, port), socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(post("/v1/completions", {"model": "slow", "prompt": "hi", "max_tokens": 2,
+                                                  "stream": True}, "held-head"))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += _recv(sock)
+            head_s = time.monotonic() - started
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert head_s < 1.0, f"the stream's head waited {head_s:.2f} s for the first token"
+            rest = head.split(b"\r\n\r\n", 1)[1]
+            while b"0\r\n\r\n" not in rest:
+                rest += _recv(sock)
+            assert b'" a"' in rest and b'" b"' in rest and b"[DONE]" in rest and b"token_ids" not in rest

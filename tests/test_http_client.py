@@ -206,3 +206,7 @@ def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_t
                b'{"text":"x", "token_ids": null},{"token_ids":[4]}]}')
     stripped = strip_token_ids(payload)
     assert msgspec.json.decode(stripped) == {"choices": [{"text": 'say "token_ids":[9]'}, {"text": "x"}, {}]}
+    # The compact form replicas write, with the key's bytes inside a text too.
+    compact = (b'{"choices":[{"index":0,"text":"a,\\"token_ids\\":[1]","finish_reason":null,"token_ids":[7,8],'
+               b'"prompt_token_ids":null}],"prompt_token_ids":[1,2]}')
+    assert strip_token_ids(compact) == b'{"choices":[{"index":0,"text":"a,\\"token_ids\\":[1]","finish_reason":null}]}'
