@@ -75,3 +75,33 @@ def test_a_shared_system_prompt_neither_piles_conversations_nor_scatters_turns(t
                              {"role": "user", "content": f"Turn {turn + 1}: go on about blocks and caches."}]
         per_replica = [list(first_replica.values()).count(name) for name in ("r0", "r1", "r2")]
         assert max(per_replica) <= 4, per_replica  # 9 conversations over 3 replicas: none takes most
+
+
+def test_a_conversation_sent_as_growing_completions_prompts_keeps_its_replica_in_precise_mode(tmp_path):
+    # How trace replays and many agents send a conversation: one text prompt per turn, each the
+    # last one plus new text. The gateway tokenizes such a prompt in cached chunks; the IDs it
+    # routes on must be the replica's own, or the prefix it holds would stop matching.
+    routing = "  policy: cache_aware\n  cache_aware: {learn_from_routing: false}\n"
+    with cluster(tmp_path, routing, replicas=2, kv_events=True) as gateway:
+        for name in ("r0", "r1"):
+            poll(lambda: gateway_metric(gateway, "kvgate_routing_mode", replica=name) == 1, f"{name} precise",
+                 gateway.server)
+        rng = random.Random(3)
+        words = ["fox", "dog", "cache", "block", "robot", "paint", "it's", "2024,", "naïve", "(prefix)"]
+        prompt = SYSTEM
+        first = None
+        for turn in range(4):
+            prompt += " " + " ".join(rng.choice(words) for _ in range(90)) + "."
+            request_id = f"text-turn-{turn}"
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": turn % 2 == 1}
+            status, _, _ = http("POST", gateway.url + "/v1/completions", body, {"x-request-id": request_id})
+            assert status == 200
+            record = gateway.record(request_id)
+            if first is None:
+                first = record
+            else:
+                assert record["replica"] == first["replica"], record["routing"]
+                # The last turn's prompt was prefilled there: its full blocks match, bar the last one.
+                assert record["routing"]["predicted_cached_tokens"] >= previous_tokens // 16 * 16 - 16, record
+            previous_tokens = record["prompt_tokens"]
+        assert "prompt_ids_mismatch" not in gateway.server.logs()

@@ -66,3 +66,34 @@ def test_the_cache_holds_at_most_its_token_budget():
         text = f"prompt number {n} " * 4
         assert cache.encode(text, add_special_tokens=False) == tiny.encode(text, add_special_tokens=False)
     assert cache._tokens <= 400 and len(cache._pieces) < 200
+
+
+def test_a_completions_prompt_extended_turn_by_turn_tokenizes_only_its_new_text():
+    # A conversation replayed as one completions prompt per turn (what a trace replay sends): the
+    # prompt is one stretch, cut into chunks at word starts, so turn k+1 finds turn k's chunks.
+    tiny = bundle()
+    cache = TokenCache(tiny)
+    rng = random.Random(11)
+    words = WORDS + [" the", " gateway", " routes", ". Then", ", and", " it's", " 2024", " naïve", "x"]
+    prompt = "System: you are a careful assistant. " * 20
+    for turn in range(15):
+        prompt += "".join(rng.choice(words) for _ in range(rng.randrange(20, 120)))
+        held = cache._tokens
+        ids = cache.encode(prompt)
+        assert ids == tiny.encode(prompt)
+        if turn:  # it tokenized the new words and a chunk or two of the old, not the whole prompt
+            assert cache._tokens - held - (len(ids) - previous) < 0.3 * previous, "the old text was tokenized again"
+        previous = len(ids)
+
+
+def test_chunks_are_never_cut_where_the_tokenizer_does_not_start_a_word():
+    # ByteLevel without its regex: the whole stretch is one word, so chunks would tokenize apart
+    # from each other differently; the cache must keep such a stretch whole.
+    config = json.loads(bundle().tokenizer.to_str())
+    config["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                               "use_regex": False}
+    odd = TokenizerBundle(Tokenizer.from_str(json.dumps(config)), chat_template=bundle().chat_template)
+    cache = TokenCache(odd)
+    text = "a gateway routes the request to the replica that holds its prefix. " * 40
+    assert cache.encode(text) == odd.encode(text)
+    assert cache.misses == 1

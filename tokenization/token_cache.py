@@ -14,7 +14,18 @@ A bundle whose tokenizer does not say so, or that fails a check against whole-te
 (probe strings at first use, then the first CHECKED_ENCODES real texts), encodes whole texts
 (still remembered whole).
 
-A repeated completions prompt is remembered whole, the same way (the BOS rule applied after)."""
+A long stretch (a completions prompt is one stretch: no added tokens in it) is cut further, at word
+starts: a space that follows a non-space and precedes a letter, the first such place at least
+CHUNK_CHARS after the last cut. The pre-tokenizers of byte-level BPE tokenizers (GPT-2's regex, and
+Llama 3's and Qwen's, which split the same way there) always start a word there and BPE never
+merges across words, so the chunks tokenize independently; and the cuts depend only on the text
+before them, so two prompts that share a prefix share its chunks. Turn k+1 of a conversation sent
+as one completions prompt (what a trace replay sends) then tokenizes its new text and at most one
+chunk of the old, not the whole prompt again. Used only where probes show the pre-tokenizer
+starts a word at each such place and chunked encodes equal whole ones (then also checked on the
+first real texts, as above).
+
+A repeated completions prompt costs one lookup per chunk (the BOS rule applied after)."""
 from __future__ import annotations
 
 import json
@@ -33,7 +44,12 @@ log = structlog.get_logger("kvgate.tokenization")
 MAX_CACHED_TOKENS = 4_000_000   # ~16 MB of int32 IDs (plus the text keys)
 MAX_PIECE_CHARS = 1 << 20       # a longer piece is encoded, not remembered
 CHECKED_ENCODES = 32            # real texts also encoded whole and compared, per bundle
+CHUNK_CHARS = 256               # a stretch longer than twice this is cached in chunks of about this
 _PROBES = ("hello", " leading space", "two  spaces\n\nnewlines\n", "unicode: é 漢字 🙂", "x" * 40, "\n", " ")
+_CHUNK_PROBE = ("It's 42 apples, isn't it? Yes: they're   here.\n\n  Indented\tTab... ünïcode 漢字 🙂 mixed123abc "
+                "x=y+z; (paren) [bracket] {brace} 'quote' \"dq\" end. Next-word foo_bar  double  space\r\nline ")
+# Where a chunk may start: a space after a non-space, before a letter.
+_WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
 
 
 class TokenCache:
@@ -49,6 +65,7 @@ class TokenCache:
         self._checks_left = CHECKED_ENCODES if self._splitter is not None else 0
         if self._splitter is not None and not self._probe():
             self._splitter = None
+        self._chunks = self._splitter is not None and self._probe_chunks()
         self.hits = 0
         self.misses = 0
 
@@ -80,6 +97,17 @@ class TokenCache:
         return ids
 
     def _piece(self, text: str) -> list[int]:
+        if not self._chunks or len(text) <= 2 * CHUNK_CHARS:
+            return self._lookup(text)
+        ids: list[int] = []
+        start = 0
+        for cut in _chunk_cuts(text):
+            ids += self._lookup(text[start:cut])
+            start = cut
+        ids += self._lookup(text[start:])
+        return ids
+
+    def _lookup(self, text: str) -> list[int]:
         with self._lock:
             cached = self._pieces.get(text)
             if cached is not None:
@@ -105,11 +133,33 @@ class TokenCache:
         texts += [specials[0] + "x" + specials[-1] + " y" if specials else "x"]
         return all(self._same(text) for text in texts)
 
+    def _probe_chunks(self) -> bool:
+        """Whether the pre-tokenizer starts a word at every place _chunk_cuts may cut, and chunked
+        encodes equal whole ones, on text with punctuation, digits, contractions, odd spaces and
+        non-ASCII letters."""
+        tokenizer = self.bundle.tokenizer
+        if tokenizer.pre_tokenizer is None:
+            return False
+        text = _CHUNK_PROBE * 3
+        try:
+            starts = {start for _, (start, _end) in tokenizer.pre_tokenizer.pre_tokenize_str(text)}
+        except Exception:  # a pre-tokenizer the Python side cannot run alone
+            return False
+        cuts = [match.start() for match in _WORD_START.finditer(text)]
+        if not cuts or not starts.issuperset(cuts):
+            return False
+        whole = tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for start, end in zip([0] + cuts, cuts + [len(text)]):
+            ids += tokenizer.encode(text[start:end], add_special_tokens=False).ids
+        return ids == whole
+
     def _check(self, text: str, ids: list[int]) -> None:
         self._checks_left -= 1
         whole = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
         if whole != ids:
             self._splitter = None
+            self._chunks = False
             self._checks_left = 0
             log.warning("token_cache_split_disabled", reason="a text encoded in stretches differed from its "
                         "whole encode; whole texts are cached from now on", chars=len(text))
@@ -122,6 +172,23 @@ class TokenCache:
             elif piece:
                 ids += self.bundle.tokenizer.encode(piece, add_special_tokens=False).ids
         return ids == self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _chunk_cuts(text: str):
+    """Where a long stretch is cut: the first word start at least CHUNK_CHARS after the last cut
+    (or the stretch's start), while more than CHUNK_CHARS remain after it."""
+    search = _WORD_START.search
+    limit = len(text) - CHUNK_CHARS
+    at = CHUNK_CHARS
+    while at < limit:
+        match = search(text, at)
+        if match is None:
+            return
+        cut = match.start()
+        if cut >= limit:
+            return
+        yield cut
+        at = cut + CHUNK_CHARS
 
 
 def _added_token_splitter(bundle: TokenizerBundle) -> tuple[re.Pattern | None, dict[str, int]]:
