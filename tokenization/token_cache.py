@@ -38,6 +38,7 @@ from collections import OrderedDict
 import structlog
 
 from tokenization.bundle import TokenizerBundle
+from tokenization.word_encoder import WordEncoder
 
 log = structlog.get_logger("kvgate.tokenization")
 
@@ -66,6 +67,8 @@ class TokenCache:
         if self._splitter is not None and not self._probe():
             self._splitter = None
         self._chunks = self._splitter is not None and self._probe_chunks()
+        # Text between added tokens is encoded word by word where the tokenizer allows it.
+        self._word_encoder = WordEncoder.for_tokenizer(bundle.tokenizer) if self._splitter is not None else None
         self.hits = 0
         self.misses = 0
 
@@ -84,7 +87,7 @@ class TokenCache:
     def _ids(self, text: str) -> list[int]:
         splitter = self._splitter
         if splitter is None or len(text) < 64:
-            return self._piece(text)
+            return self._lookup(text, plain=False)
         ids: list[int] = []
         special = self._special_ids
         for index, piece in enumerate(splitter.split(text)):
@@ -97,24 +100,30 @@ class TokenCache:
         return ids
 
     def _piece(self, text: str) -> list[int]:
+        """A stretch between added tokens."""
         if not self._chunks or len(text) <= 2 * CHUNK_CHARS:
-            return self._lookup(text)
+            return self._lookup(text, plain=True)
         ids: list[int] = []
         start = 0
         for cut in _chunk_cuts(text):
-            ids += self._lookup(text[start:cut])
+            ids += self._lookup(text[start:cut], plain=True)
             start = cut
-        ids += self._lookup(text[start:])
+        ids += self._lookup(text[start:], plain=True)
         return ids
 
-    def _lookup(self, text: str) -> list[int]:
+    def _lookup(self, text: str, plain: bool) -> list[int]:
+        """`text`'s IDs, remembered; `plain`: it holds no added token (then words may be used)."""
         with self._lock:
             cached = self._pieces.get(text)
             if cached is not None:
                 self._pieces.move_to_end(text)
                 self.hits += 1
                 return cached.tolist()
-        ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        words = self._word_encoder
+        if plain and words is not None:
+            ids = words.encode(text)
+        else:
+            ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
         if len(text) <= MAX_PIECE_CHARS and len(ids) <= self.max_tokens // 8:
             stored = array("i", ids)
             with self._lock:
@@ -160,6 +169,7 @@ class TokenCache:
         if whole != ids:
             self._splitter = None
             self._chunks = False
+            self._word_encoder = None
             self._checks_left = 0
             log.warning("token_cache_split_disabled", reason="a text encoded in stretches differed from its "
                         "whole encode; whole texts are cached from now on", chars=len(text))

@@ -1,0 +1,68 @@
+"""Word-by-word encoding (tokenization/word_encoder.py) gives exactly the tokenizer's own IDs, for
+the tiny model's GPT-2-style split and for the Llama 3 / Qwen 2 splits GGUF models carry, on text
+with every kind of character the splits treat differently; tokenizers whose pre-tokenization is
+anything else get no word encoder."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+from replica.tiny import tiny_checkpoint_dir
+from tokenization import TokenizerBundle
+from tokenization.gguf_vocab import _LLAMA3_SPLIT, _QWEN2_SPLIT
+from tokenization.word_encoder import WordEncoder
+
+PIECES = ["fox", " dog", "  cache", "\n", "\n\n", "\r\n", "\t", " ", "   ", "é", "ünï", "漢字", "🙂", "12", "12345",
+          "½", "Ⅷ", "²", "٣", "'s", "'LL", "'ve", "n't", "!?", "...", "_", "foo_bar", "x=y", "(", ")", "\"", "Ça",
+          "\u00a0", "\u2003", "\u200b", "\x0b", "\x1c", "a\u0301"]
+
+
+def tiny() -> Tokenizer:
+    return TokenizerBundle.from_hf_dir(tiny_checkpoint_dir()).tokenizer
+
+
+def texts(seed: int, count: int = 300):
+    rng = random.Random(seed)
+    for _ in range(count):
+        yield "".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 80)))
+
+
+def with_pre_tokenizer(pre) -> Tokenizer:
+    tokenizer = tiny()
+    tokenizer.pre_tokenizer = pre
+    return tokenizer
+
+
+@pytest.mark.parametrize("split", ["byte_level", "llama3", "qwen2"])
+def test_word_by_word_ids_are_the_tokenizers_own(split):
+    if split == "byte_level":
+        tokenizer = tiny()
+    else:
+        pattern = _LLAMA3_SPLIT if split == "llama3" else _QWEN2_SPLIT
+        tokenizer = with_pre_tokenizer(pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+    encoder = WordEncoder.for_tokenizer(tokenizer)
+    assert encoder is not None
+    for text in texts(seed=len(split)):
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+@pytest.mark.parametrize("pre", [
+    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),   # no word split at all
+    pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True),     # a space added at the start
+    pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    pre_tokenizers.Metaspace(),
+])
+def test_other_pre_tokenizers_get_no_word_encoder(pre):
+    assert WordEncoder.for_tokenizer(with_pre_tokenizer(pre)) is None
+
+
+def test_a_normalizer_means_no_word_encoder():
+    config = json.loads(tiny().to_str())
+    config["normalizer"] = {"type": "NFC"}
+    assert WordEncoder.for_tokenizer(Tokenizer.from_str(json.dumps(config))) is None
