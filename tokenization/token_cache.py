@@ -38,7 +38,7 @@ from collections import OrderedDict
 import structlog
 
 from tokenization.bundle import TokenizerBundle
-from tokenization.word_encoder import WordEncoder
+from tokenization.word_encoder import PROBE_TEXT, WordEncoder
 
 log = structlog.get_logger("kvgate.tokenization")
 
@@ -47,8 +47,6 @@ MAX_PIECE_CHARS = 1 << 20       # a longer piece is encoded, not remembered
 CHECKED_ENCODES = 32            # real texts also encoded whole and compared, per bundle
 CHUNK_CHARS = 256               # a stretch longer than twice this is cached in chunks of about this
 _PROBES = ("hello", " leading space", "two  spaces\n\nnewlines\n", "unicode: é 漢字 🙂", "x" * 40, "\n", " ")
-_CHUNK_PROBE = ("It's 42 apples, isn't it? Yes: they're   here.\n\n  Indented\tTab... ünïcode 漢字 🙂 mixed123abc "
-                "x=y+z; (paren) [bracket] {brace} 'quote' \"dq\" end. Next-word foo_bar  double  space\r\nline ")
 # Where a chunk may start: a space after a non-space, before a letter.
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
 
@@ -149,7 +147,7 @@ class TokenCache:
         tokenizer = self.bundle.tokenizer
         if tokenizer.pre_tokenizer is None:
             return False
-        text = _CHUNK_PROBE * 3
+        text = PROBE_TEXT * 3
         try:
             starts = {start for _, (start, _end) in tokenizer.pre_tokenizer.pre_tokenize_str(text)}
         except Exception:  # a pre-tokenizer the Python side cannot run alone

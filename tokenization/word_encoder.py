@@ -23,9 +23,10 @@ import regex
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 MAX_WORDS = 262_144    # words remembered; past it the cache starts over (a few tens of MB at most)
 MAX_WORD_CHARS = 256   # a longer word (a run of spaces, a base64 blob) is encoded, not remembered
-_PROBE = ("It's 42 apples, isn't it? Yes: they're   here.\n\n  Indented\tTab... ünïcode 漢字 🙂 mixed123abc "
-          "x=y+z; (paren) [bracket] {brace} 'quote' \"dq\" end_of_line. Next-word foo_bar  double  space\r\n"
-          "line 1234567 ½ Ⅷ ² ٣ naïve I'LL WE'VE you'd   \n \n\n\t ")
+PROBE_TEXT = (  # what a split may treat differently: contractions, numbers, odd spaces, marks
+    "It's 42 apples, isn't it? Yes: they're   here.\n\n  Indented\tTab... ünïcode 漢字 🙂 mixed123abc "
+    "x=y+z; (paren) [bracket] {brace} 'quote' \"dq\" end_of_line. Next-word foo_bar  double  space\r\n"
+    "line 1234567 ½ Ⅷ ² ٣ naïve I'LL WE'VE you'd   \n \n\n\t ")
 
 
 class WordEncoder:
@@ -49,7 +50,7 @@ class WordEncoder:
             encoder = cls(tokenizer, pattern)
         except regex.error:
             return None
-        return encoder if encoder._agrees(_PROBE) and encoder._agrees(_PROBE * 3 + " end") else None
+        return encoder if encoder._agrees(PROBE_TEXT) and encoder._agrees(PROBE_TEXT * 3 + " end") else None
 
     def encode(self, text: str) -> list[int]:
         words = self._findall(text)
