@@ -222,8 +222,7 @@ class Response:
     @property
     def body_at_hand(self) -> bool:
         """read_some() returns at once: body bytes (or the body's end) already arrived."""
-        conn = self._conn
-        return bool(conn._body) or conn._state == _DONE
+        return self._conn.body_at_hand
 
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if the answer was read to its end."""
@@ -372,6 +371,10 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return data
+
+    @property
+    def body_at_hand(self) -> bool:
+        return bool(self._body) or self._state == _DONE
 
     @property
     def body_done(self) -> bool:

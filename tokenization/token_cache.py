@@ -38,7 +38,7 @@ from collections import OrderedDict
 import structlog
 
 from tokenization.bundle import TokenizerBundle
-from tokenization.word_encoder import PROBE_TEXT, WordEncoder
+from tokenization.word_encoder import PROBE_TEXT, WordEncoder, tokenizer_config
 
 log = structlog.get_logger("kvgate.tokenization")
 
@@ -60,13 +60,15 @@ class TokenCache:
         self._pieces: OrderedDict[str, array] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
-        self._splitter, self._special_ids = _added_token_splitter(bundle)
+        config = tokenizer_config(bundle.tokenizer)  # parsed once: a large vocabulary's JSON takes a while
+        self._splitter, self._special_ids = _added_token_splitter(config)
         self._checks_left = CHECKED_ENCODES if self._splitter is not None else 0
         if self._splitter is not None and not self._probe():
             self._splitter = None
         self._chunks = self._splitter is not None and self._probe_chunks()
         # Text between added tokens is encoded word by word where the tokenizer allows it.
-        self._word_encoder = WordEncoder.for_tokenizer(bundle.tokenizer) if self._splitter is not None else None
+        self._word_encoder = (WordEncoder.for_tokenizer(bundle.tokenizer, config)
+                              if self._splitter is not None else None)
         self.hits = 0
         self.misses = 0
 
@@ -199,13 +201,10 @@ def _chunk_cuts(text: str):
         at = cut + CHUNK_CHARS
 
 
-def _added_token_splitter(bundle: TokenizerBundle) -> tuple[re.Pattern | None, dict[str, int]]:
-    """A regex whose split() cuts text at the bundle's added tokens, as `tokenizers` does, or None
-    where the tokenizer's configuration does not guarantee the pieces tokenize independently."""
-    try:
-        config = json.loads(bundle.tokenizer.to_str())
-    except (ValueError, TypeError):
-        return None, {}
+def _added_token_splitter(config: dict) -> tuple[re.Pattern | None, dict[str, int]]:
+    """A regex whose split() cuts text at the tokenizer's added tokens, as `tokenizers` does, or
+    None where its configuration (tokenizer_config) does not guarantee the pieces tokenize
+    independently."""
     added = config.get("added_tokens") or []
     if not added or config.get("normalizer") is not None:
         return None, {}

@@ -40,10 +40,11 @@ class WordEncoder:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "WordEncoder | None":
-        """The tokenizer's word encoder, or None where its configuration is not a plain word split
-        of a byte-level BPE or the probes disagree with it."""
-        pattern = _split_pattern(tokenizer)
+    def for_tokenizer(cls, tokenizer, config: dict | None = None) -> "WordEncoder | None":
+        """The tokenizer's word encoder, or None where its configuration (tokenizer_config, when
+        the caller has it already) is not a plain word split of a byte-level BPE or the probes
+        disagree with it."""
+        pattern = _split_pattern(tokenizer_config(tokenizer) if config is None else config)
         if pattern is None:
             return None
         try:
@@ -84,13 +85,17 @@ class WordEncoder:
         return self.encode(text) == self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _split_pattern(tokenizer) -> str | None:
-    """The regex a byte-level BPE tokenizer cuts words with, when that cut is its whole
-    pre-tokenization; else None."""
+def tokenizer_config(tokenizer) -> dict:
+    """The tokenizer's tokenizer.json as a dict ({} where it cannot be serialized)."""
     try:
-        config = json.loads(tokenizer.to_str())
+        return json.loads(tokenizer.to_str())
     except (ValueError, TypeError):
-        return None
+        return {}
+
+
+def _split_pattern(config: dict) -> str | None:
+    """The regex a byte-level BPE tokenizer (its tokenizer_config) cuts words with, when that cut
+    is its whole pre-tokenization; else None."""
     if (config.get("model") or {}).get("type") != "BPE" or config.get("normalizer") is not None:
         return None
     pre = config.get("pre_tokenizer") or {}
