@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.request
 
 import pytest
@@ -93,10 +94,22 @@ def test_a_conversation_sent_as_growing_completions_prompts_keeps_its_replica_in
         for turn in range(4):
             prompt += " " + " ".join(rng.choice(words) for _ in range(90)) + "."
             request_id = f"text-turn-{turn}"
+            applied = {name: gateway_metric(gateway, "kvgate_kv_event_batches_total", replica=name)
+                       for name in ("r0", "r1")}
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": turn % 2 == 1}
             status, _, _ = http("POST", gateway.url + "/v1/completions", body, {"x-request-id": request_id})
             assert status == 200
             record = gateway.record(request_id)
+            # The next turn must find this prompt's blocks: wait until its replica's KV events
+            # reached the gateway and stopped coming (a long prompt is prefilled in a few steps).
+            name = record["replica"]
+            poll(lambda: gateway_metric(gateway, "kvgate_kv_event_batches_total", replica=name) > applied[name],
+                 f"{name}'s KV events for {request_id}", gateway.server)
+            settled = None
+            for _ in range(50):  # another process's events: poll, bounded (a prefill takes a few steps)
+                if settled == (settled := gateway_metric(gateway, "kvgate_kv_event_batches_total", replica=name)):
+                    break
+                time.sleep(0.2)
             if first is None:
                 first = record
             else:
