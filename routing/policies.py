@@ -130,6 +130,12 @@ FILL_SPREAD_BELOW = 0.75
 # prompt): a request's own history (a conversation's or an agent's earlier turn) ends its match at
 # a deeper block each turn, never where another request's match ended.
 BRANCH_SHARED = 1
+# Once every cache is past FILL_SPREAD_BELOW, new content goes where it will live longest: the
+# replica whose cache turns over slowest, i.e. that recently took the fewest new blocks for its
+# capacity (what each replica evicts is what it was sent). A pool of per-replica LRUs fed evenly
+# behaves like one LRU of their summed size; fed by a hash, one of them evicts a prefix that is
+# about to be reused while another still keeps older content (bench.cache_routing's trace: 0.83-0.93
+# of the pooled oracle by hash, 0.99-1.06 in a replay of the same logs fed by turnover).
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
@@ -213,7 +219,10 @@ class CacheAware:
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
     capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt, while it is under FILL_SPREAD_BELOW
-    full), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    full), then, once every cache is past that, to the one whose cache turns over slowest (fewest
+    blocks new to it of late for its capacity, decayed with `turnover_half_life_s`: what a full
+    cache takes in it evicts, so feeding them evenly keeps every prefix about as long as one
+    pooled LRU would), then by rendezvous hash of the prompt's first block that no replica holds (its own
     content: a new conversation's first message, not the shared system prompt), never by config
     order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
@@ -226,7 +235,8 @@ class CacheAware:
     def __init__(self, state: RoutingState, prefill_weight: float = 1.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
                  min_match_blocks: int = 1, learn_from_routing: bool = True,
-                 follow_min_fraction: float = 0.5, follow_abs_slack: float = 2.0) -> None:
+                 follow_min_fraction: float = 0.5, follow_abs_slack: float = 2.0,
+                 turnover_half_life_s: float = 20.0) -> None:
         self.state = state
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
@@ -241,6 +251,10 @@ class CacheAware:
         self._branch_points: OrderedDict[int, int] = OrderedDict()
         self.learn_from_routing = learn_from_routing  # approximate mode: a routed prompt is assumed cached there
         self._name_hash: dict[str, int] = {}
+        # replica -> (the table's blocks-written count when last asked, new blocks decayed to `at`, at):
+        # how fast its cache turns over
+        self.turnover_half_life_s = turnover_half_life_s
+        self._new_blocks: dict[str, tuple[int, float, float]] = {}
         self._turn = 0  # rank rotation for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
@@ -319,6 +333,17 @@ class CacheAware:
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
             names = [candidates[i] for i in tied]
+        elif low >= FILL_SPREAD_BELOW:
+            # Every cache evicts for new content: it goes where the least went of late (no
+            # tolerance: the chosen replica's count rises with this prompt's guess at commit, so
+            # the next new prompt already sees it; precise mode's events only confirm it).
+            values = self.turnover(names, table)
+            low = min(values)
+            if max(values) > low:
+                tied = [i for i, share in zip(tied, values) if share == low]
+                if len(tied) == 1:
+                    return tied[0], "slowest cache turnover"
+                names = [candidates[i] for i in tied]
         if own_block is None:  # a prompt shorter than a block: rotate
             self._turn += 1
             own_block = self._turn
@@ -328,6 +353,21 @@ class CacheAware:
         get, learn = self._name_hash.get, self._hash_name
         ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
         return tied[ranks.index(min(ranks))], "prefix hash"
+
+    def turnover(self, names: Sequence[str], table) -> list[float]:
+        """Blocks new to each replica's cache of late (the table's count of blocks written for it,
+        decayed with turnover_half_life_s), per block of its capacity. A memo, brought up to date
+        for every replica of the table when asked (a tie among new content: most new requests);
+        what was written since the last ask counts as written now."""
+        now = self.state.clock()
+        half_life_s = self.turnover_half_life_s
+        seen = self._new_blocks
+        replicas = table.replicas()
+        for name, written in zip(replicas, table.written(replicas)):
+            last_written, blocks, at = seen.get(name) or (0, 0.0, now)
+            fresh = written - last_written if written >= last_written else written  # re-added: counts anew
+            seen[name] = (written, blocks * 0.5 ** ((now - at) / half_life_s) + fresh, now)
+        return [seen[name][1] / table.capacity(name) for name in names]
 
     def _hash_name(self, name: str) -> int:
         h = self._name_hash[name] = xxhash.xxh32_intdigest(name.encode()) or 1

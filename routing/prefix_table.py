@@ -83,6 +83,7 @@ class PrefixTable:
         self._bits = [None] * MAX_REPLICAS    # bit -> replica name
         self._rings: dict[str, _Ring] = {}
         self._sizes: dict[str, int] = {}
+        self._written: dict[str, int] = {}    # blocks that became the replica's, ever: its cache turnover
         self._capacities: dict[str, int] = {}
         self._bits_memo: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
         self._guessing = 0  # bits of replicas that may hold guesses (set by guessed inserts)
@@ -103,6 +104,7 @@ class PrefixTable:
         self._bits[free[0]] = replica
         self._rings[replica] = _Ring(capacity_blocks)
         self._sizes[replica] = 0
+        self._written[replica] = 0
         self._capacities[replica] = capacity_blocks
         total = sum(len(r.hashes) for r in self._rings.values())
         if self._buckets_for(total) > self._nb:
@@ -116,7 +118,7 @@ class PrefixTable:
         self._bits_memo.clear()
         self._bits[bit] = None
         self._guessing &= ~(1 << bit)
-        del self._rings[replica], self._sizes[replica], self._capacities[replica]
+        del self._rings[replica], self._sizes[replica], self._capacities[replica], self._written[replica]
 
     def resize(self, replica: str, capacity_blocks: int, now: float) -> None:
         """Give the replica a ring of `capacity_blocks` (its real KV capacity, learned late),
@@ -155,6 +157,12 @@ class PrefixTable:
         """Fraction of each replica's capacity the table records as held (0 = empty cache)."""
         sizes, capacities = self._sizes, self._capacities
         return [sizes[name] / capacities[name] for name in replicas]
+
+    def written(self, replicas: Sequence[str]) -> list[int]:
+        """Blocks recorded as newly held by each replica since it was added (guessed or from its KV
+        events, each block once until it is evicted): what its cache has taken in."""
+        written = self._written
+        return [written[name] for name in replicas]
 
     def size(self, replica: str) -> int:
         """Blocks the table records for this replica (guessed ones included until evicted)."""
@@ -320,6 +328,7 @@ class PrefixTable:
         ring.hashes[slots] = ring_entries
         ring.seen[slots] = tick
         self._sizes[replica] += int(ring_entries.size)
+        self._written[replica] += int(ring_entries.size)
         if new_keys.size:
             self._place(new_keys, bit, bit if guessed else _U64(0), tick)
 
@@ -360,6 +369,7 @@ class PrefixTable:
         ring.hashes[slots] = np.array(entries, dtype=_U64)
         ring.seen[slots] = tick
         self._sizes[replica] += len(entries)
+        self._written[replica] += len(entries)
         if new_keys:
             self._place_small(new_keys, bit, bit if guessed else 0, tick)
 

@@ -32,7 +32,8 @@ POLICIES: dict[str, PolicySpec] = {
         state, p.virtual_nodes, p.epsilon, p.key_blocks)),
     "cache_aware": PolicySpec(CacheAwareParams, lambda p, state, _: CacheAware(
         state, p.prefill_weight, p.queue_weight, p.balance_factor, p.balance_slack, p.follow_slack,
-        p.min_match_blocks, p.learn_from_routing, p.follow_min_fraction, p.follow_abs_slack)),
+        p.min_match_blocks, p.learn_from_routing, p.follow_min_fraction, p.follow_abs_slack,
+        p.turnover_half_life_s)),
     "session_affinity": PolicySpec(SessionAffinityParams, _session_affinity),
 }
 

@@ -10,6 +10,7 @@ import time
 
 
 from tests.servers import free_port, run_gateway, run_replica
+from tests.test_engine_serving import TINY_KV_BYTES_PER_BLOCK
 from tests.test_gateway import Gateway, http, metric
 
 WAIT_S = 30.0
@@ -25,10 +26,13 @@ def poll(predicate, what: str, server, timeout_s: float = WAIT_S):
 
 
 @contextlib.contextmanager
-def cluster(tmp_path, routing: str, replicas: int = 2, kv_events: bool = False):
+def cluster(tmp_path, routing: str, replicas: int = 2, kv_events: bool = False, kv_blocks: int | None = None):
+    """`kv_blocks`: each replica's KV cache in blocks, also told to the gateway (default: the
+    replica's own, which the gateway learns from its /metrics)."""
     with contextlib.ExitStack() as stack:
         endpoints = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(replicas)]
-        started = [stack.enter_context(run_replica("tiny", extra_args=(
+        kv_size = ["--kv-cache-gb", f"{kv_blocks * TINY_KV_BYTES_PER_BLOCK / (1 << 30):.9f}"] if kv_blocks else []
+        started = [stack.enter_context(run_replica("tiny", extra_args=kv_size + (
             ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay] if kv_events else [])))
             for pub, replay in endpoints]
         port = free_port()
@@ -36,6 +40,8 @@ def cluster(tmp_path, routing: str, replicas: int = 2, kv_events: bool = False):
         entries = ""
         for i, (replica, (pub, replay)) in enumerate(zip(started, endpoints)):
             entries += f"  - name: r{i}\n    url: {replica.url}\n    model: tiny\n"
+            if kv_blocks:
+                entries += f"    capacity_blocks: {kv_blocks}\n"
             if kv_events:
                 entries += f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{replay}'}}\n"
         config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, connect_timeout_s: 2}}\n"
@@ -100,6 +106,52 @@ def test_approximate_mode_learns_from_its_own_routing_and_logs_the_decision(tmp_
         assert metric(text, "kvgate_predicted_cached_tokens_total") == 4 * 64
         assert metric(text, "kvgate_reported_cached_tokens_total") >= 4 * 64
         assert metric(text, "kvgate_scrape_failures_total") == 0
+
+
+def test_full_caches_take_new_content_evenly_so_a_prefix_lives_as_long_as_in_one_pooled_cache(tmp_path):
+    """Two replicas of 48 KV blocks, every request a new prompt of 3-10 blocks, one at a time
+    (both idle: a tie), streamed and not. Once both caches are full, each new prompt goes to the
+    replica that took fewer new blocks of late: what a full cache takes in, it evicts, so fed
+    evenly the pair keeps a prefix about as long as one 96-block LRU would. Placed by a hash of
+    the prompt, the blocks each replica took would wander apart by tens of blocks."""
+    with cluster(tmp_path, "  policy: cache_aware\n", kv_blocks=48) as gateway:
+        rng = random.Random(5)
+        serial = iter(range(1, 10_000))
+
+        def new_prompt(blocks: int) -> list[int]:  # whole blocks plus 3 tokens: the answer completes no block
+            return [rng.randrange(10, 250) for _ in range(16 * blocks + 3)]
+
+        def send(prompt: list[int]) -> dict:
+            number = next(serial)
+            request_id = f"t-{number}"
+            if number % 2:
+                return complete(gateway, prompt, request_id)
+            stream = gateway.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                                       stream=True, extra_headers={"x-request-id": request_id})
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) is not None
+            return gateway.record(request_id)
+
+        taken = {"r0": 0, "r1": 0}
+        records = []
+        for _ in range(24):  # fills both caches (and then some)
+            record = send(new_prompt(rng.randrange(3, 11)))
+            taken[record["replica"]] += record["prompt_tokens"] // 16
+            records.append(record)
+        kept = new_prompt(6)
+        holder = send(kept)["replica"]
+        later = {"r0": 0, "r1": 0}
+        for _ in range(10):  # 65 new blocks at most: < 96 - 6, so one pooled LRU would still hold `kept`
+            record = send(new_prompt(rng.randrange(3, 8)))
+            later[record["replica"]] += record["prompt_tokens"] // 16
+            taken[record["replica"]] += record["prompt_tokens"] // 16
+            records.append(record)
+        reasons = [r["routing"]["reason"] for r in records]
+        assert any("slowest cache turnover" in reason for reason in reasons), reasons
+        assert abs(taken["r0"] - taken["r1"]) <= 10, (taken, reasons)
+        assert later[holder] <= 48 - 6, (later, holder)
+        again = send(kept[:96] + [7, 8, 9])
+        assert again["replica"] == holder, again["routing"]
+        assert again["cached_tokens"] == 96, again  # the replica still held all 6 blocks
 
 
 def test_session_header_and_user_field_keep_a_session_on_one_replica(tmp_path):

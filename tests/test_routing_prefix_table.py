@@ -48,6 +48,19 @@ def test_correct_drops_claims_beyond_reported_cached_blocks():
     assert table.match(prompt, now=0) == {"a": 6}
 
 
+@pytest.mark.parametrize("blocks", [4, 40])  # the scalar path for a few blocks, numpy's for more
+def test_written_counts_each_block_a_replica_takes_in_once_until_it_is_evicted(blocks):
+    table = _table("a", "b", capacity=100)
+    prompt = block_hashes(list(range(16 * blocks)))
+    table.insert("a", prompt, guessed=True, now=0)
+    table.insert("a", prompt, guessed=False, now=1)  # its KV events confirm the guess: nothing new
+    table.insert("b", prompt[:2], guessed=False, now=1)
+    assert table.written(["a", "b"]) == [blocks, 2]
+    table.remove("a", prompt)
+    table.insert("a", prompt, guessed=False, now=2)  # recomputed after an eviction: taken in again
+    assert table.written(["a", "b"]) == [2 * blocks, 2]
+
+
 def test_capacity_bounds_each_replica_with_lru_like_eviction():
     table = _table("a", "b", capacity=100)
     hot = block_hashes(list(range(16 * 20)))
