@@ -221,7 +221,15 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
         if s.keep_logs:
             out = Path(s.keep_logs)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"{workload.name.replace(':', '_')}.{router}.log").write_text(front.logs())
+            stem = f"{workload.name.replace(':', '_')}.{router}"
+            (out / f"{stem}.log").write_text(front.logs())
+            # What the client saw of each request, for tails of routers that log no records (sglang-router).
+            (out / f"{stem}.requests.jsonl").write_text("".join(
+                json.dumps({"index": i, "session": request.session, "units": len(request.units),
+                            "arrival_s": round(result.scheduled_s, 4), "ttft_s": ok_ttfts([result])[0] if
+                            result.status == 200 and not result.error else None,
+                            "latency_s": round(result.latency_s, 4), "status": result.status}) + "\n"
+                for i, (request, result) in enumerate(zip(workload.requests, results))))
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
     served = [round(a[2] - b[2]) for a, b in zip(after, before)]
@@ -305,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default 768)")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
     parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
-                                                          "(kvgate logs at info: one record per request with its routing)")
+                                                          "(kvgate logs at info: one record per request with its routing), "
+                                                          "and what the client saw of each request (NAME.requests.jsonl)")
     args = parser.parse_args(argv)
     routers = args.routers.split(",")
     keys = args.workloads.split(",")

@@ -45,9 +45,14 @@ class Up:
         return self.admin()[name]["url"]
 
     def serving(self) -> str:
-        """The replica that runs a request now (its engine says so)."""
+        """The replica that runs a request now: the gateway has it in flight there and the
+        replica's engine is running it (a replica that has just finished another request can
+        still read running for a moment; the gateway's count alone comes before the prefill)."""
         def busy():
+            admin = self.admin()
             for name in self.names:
+                if admin[name]["in_flight"] < 1:
+                    continue
                 with contextlib.suppress(Exception):
                     text = http("GET", self.replica_url(name) + "/metrics")[2]
                     if metric(text, "vllm:num_requests_running") > 0:
@@ -56,7 +61,15 @@ class Up:
         return poll(busy, "a replica running the request", self.server, timeout_s=20)
 
     def wait_all_healthy(self) -> None:
-        poll(lambda: all(e["state"] == "healthy" and e["ready"] for e in self.admin().values()),
+        """Every replica healthy in the gateway's eyes and alive in fact: a replica an earlier test
+        killed can still read healthy until the next probe, while its pid is already gone."""
+        def alive(entry) -> bool:
+            if not entry.get("process", {}).get("running", True):
+                return False
+            with contextlib.suppress(Exception):
+                return http("GET", entry["url"] + "/health")[0] == 200
+            return False
+        poll(lambda: all(e["state"] == "healthy" and e["ready"] and alive(e) for e in self.admin().values()),
              "every replica healthy", self.server, timeout_s=60)
 
 
@@ -169,13 +182,13 @@ def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path
 def test_a_non_streamed_answer_resumes_too(up, path):
     up.wait_all_healthy()
     n = random.randrange(10**6)
-    body = {**body_for(path, n, max_tokens=400), "stream": False}
+    body = {**body_for(path, n, max_tokens=1200), "stream": False}  # ~0.7 s idle: the kill lands mid-answer
     reference = answer(up.url, path, body, f"ref-json-{n}")
     killed = []
 
     def kill_when_busy():
         name = up.serving()
-        time.sleep(0.2)  # some tokens out
+        time.sleep(0.05)  # some tokens out (an idle tiny replica makes ~2 a ms)
         os.kill(up.pid(name), signal.SIGKILL)
         killed.append(name)
 
@@ -184,7 +197,7 @@ def test_a_non_streamed_answer_resumes_too(up, path):
     got = answer(up.url, path, body, f"json-kill-{n}")
     killer.join()
     assert got["ids"] == reference["ids"] and got["text"] == reference["text"]
-    assert got["usage"]["completion_tokens"] == 400
+    assert got["usage"]["completion_tokens"] == 1200
     record = up.gateway.record(f"json-kill-{n}")
     assert record["failover"][0]["replica"] == killed[0] and record["failover"][0]["after_tokens"] > 0
 
