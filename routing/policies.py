@@ -130,12 +130,12 @@ FILL_SPREAD_BELOW = 0.75
 # prompt): a request's own history (a conversation's or an agent's earlier turn) ends its match at
 # a deeper block each turn, never where another request's match ended.
 BRANCH_SHARED = 1
-# Once every cache is past FILL_SPREAD_BELOW, new content goes where it will live longest: the
-# replica whose cache turns over slowest, i.e. that recently took the fewest new blocks for its
-# capacity (what each replica evicts is what it was sent). A pool of per-replica LRUs fed evenly
+# Among caches of about the same fill, new content goes where it will live longest: the replica
+# whose cache turns over slowest, i.e. that recently took the fewest new blocks for its capacity
+# (once full, what each replica evicts is what it was sent). A pool of per-replica LRUs fed evenly
 # behaves like one LRU of their summed size; fed by a hash, one of them evicts a prefix that is
-# about to be reused while another still keeps older content (bench.cache_routing's trace: 0.83-0.93
-# of the pooled oracle by hash, 0.99-1.06 in a replay of the same logs fed by turnover).
+# about to be reused while another still keeps older content (bench.cache_routing's trace: 0.72-1.01
+# of the pooled oracle by hash, 1.00-1.04 in replays of the same logs fed by turnover).
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
@@ -219,10 +219,9 @@ class CacheAware:
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
     capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt, while it is under FILL_SPREAD_BELOW
-    full), then, once every cache is past that, to the one whose cache turns over slowest (fewest
-    blocks new to it of late for its capacity, decayed with `turnover_half_life_s`: what a full
-    cache takes in it evicts, so feeding them evenly keeps every prefix about as long as one
-    pooled LRU would), then by rendezvous hash of the prompt's first block that no replica holds (its own
+    full), then to the one whose cache turns over slowest (fewest blocks new to it of late for its
+    capacity, decayed with `turnover_half_life_s`: what a full cache takes in it evicts, so feeding
+    them evenly keeps every prefix about as long as one pooled LRU would), then by rendezvous hash of the prompt's first block that no replica holds (its own
     content: a new conversation's first message, not the shared system prompt), never by config
     order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
@@ -333,17 +332,17 @@ class CacheAware:
             if len(tied) == 1:
                 return tied[0], "emptiest cache"
             names = [candidates[i] for i in tied]
-        elif low >= FILL_SPREAD_BELOW:
-            # Every cache evicts for new content: it goes where the least went of late (no
-            # tolerance: the chosen replica's count rises with this prompt's guess at commit, so
-            # the next new prompt already sees it; precise mode's events only confirm it).
-            values = self.turnover(names, table)
-            low = min(values)
-            if max(values) > low:
-                tied = [i for i, share in zip(tied, values) if share == low]
-                if len(tied) == 1:
-                    return tied[0], "slowest cache turnover"
-                names = [candidates[i] for i in tied]
+        # Then where the fewest new blocks went of late: while caches fill, the emptiest to the
+        # block; once they are full, what each takes in it evicts. No tolerance: the chosen
+        # replica's count rises with this prompt's guess at commit, so the next new prompt
+        # already sees it (precise mode's events only confirm it).
+        values = self.turnover(names, table)
+        low = min(values)
+        if max(values) > low:
+            tied = [i for i, share in zip(tied, values) if share == low]
+            if len(tied) == 1:
+                return tied[0], "slowest cache turnover"
+            names = [candidates[i] for i in tied]
         if own_block is None:  # a prompt shorter than a block: rotate
             self._turn += 1
             own_block = self._turn

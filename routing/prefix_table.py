@@ -54,6 +54,18 @@ class PrefixTableError(ValueError):
     pass
 
 
+def _ring_order(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """A prompt's distinct block keys in the order its replica's ring takes them: last block
+    first, so the CLOCK hand reaches a prompt's tail before its head, as a replica frees a
+    sequence's blocks tail-first (vLLM, kvgate): a partly evicted prompt keeps a prefix, in the
+    table as on the replica. Written in hash order, the hand took blocks from anywhere in the
+    prompt, and losing its first block lost the table's whole match while the replica still held
+    most of it. Beyond `capacity`, the earliest blocks are kept."""
+    unique, first = np.unique(keys, return_index=True)
+    ordered = keys[np.sort(first)[::-1]] if unique.size else unique
+    return ordered[max(ordered.size - capacity, 0):]
+
+
 def as_block_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block hashes as the table's uint64 keys (0 is the empty marker, so it becomes 1)."""
     keys = np.asarray(hashes, dtype=_U64) if not isinstance(hashes, np.ndarray) else hashes.astype(_U64, copy=False)
@@ -142,7 +154,7 @@ class PrefixTable:
         self.add_replica(replica, capacity_blocks)
         for keys, is_guess in ((keep_guessed, True), (keep_confirmed, False)):  # confirmed: newer in the ring
             if keys.size:
-                self.insert(replica, keys[:capacity_blocks][::-1], guessed=is_guess, now=now)
+                self.insert(replica, keys[:capacity_blocks], guessed=is_guess, now=now)  # newest first: written last
 
     def replicas(self) -> list[str]:
         return list(self._index)
@@ -300,11 +312,9 @@ class PrefixTable:
             self._insert_small(replica, ring, hashes, guessed, now)
             return
         bit = _ONE << _U64(self._index[replica])
-        keys = np.unique(as_block_keys(hashes))
+        keys = _ring_order(as_block_keys(hashes), len(ring.hashes))
         if keys.size == 0:
             return
-        if keys.size > len(ring.hashes):  # more than fits: keep what fits (any subset is a valid cache state)
-            keys = keys[:len(ring.hashes)]
         tick = self._tick(now)
         if guessed:
             self._guessing |= 1 << self._index[replica]
@@ -321,7 +331,9 @@ class PrefixTable:
             self._guessed[fpos] &= ~bit
         self._stamp[fpos] = tick
         new_keys = keys[~found]
-        ring_entries = np.concatenate([keys[found][~was_held], new_keys])
+        entering = ~found
+        entering[np.flatnonzero(found)[~was_held]] = True
+        ring_entries = keys[entering]  # in ring order (see _ring_order)
         if ring_entries.size == 0:
             return
         slots = self._ring_slots(replica, ring, bit, ring_entries.size, tick, protect=keys)
@@ -330,7 +342,7 @@ class PrefixTable:
         self._sizes[replica] += int(ring_entries.size)
         self._written[replica] += int(ring_entries.size)
         if new_keys.size:
-            self._place(new_keys, bit, bit if guessed else _U64(0), tick)
+            self._place(np.sort(new_keys), bit, bit if guessed else _U64(0), tick)
 
     def _insert_small(self, replica: str, ring: _Ring, hashes, guessed: bool, now: float) -> None:
         """insert() of a few blocks in scalar Python: the same steps as the numpy path, whose ~40
@@ -339,10 +351,11 @@ class PrefixTable:
         clears the guess), the ring's CLOCK still numpy's for blocks new to it."""
         index = self._index[replica]
         bit = 1 << index
-        keys = sorted({int(key) or 1 for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)})
+        given = hashes.tolist() if isinstance(hashes, np.ndarray) else list(hashes)
+        keys = list(dict.fromkeys((int(key) or 1) for key in reversed(given)))  # _ring_order's, in Python
         if not keys:
             return
-        keys = keys[:len(ring.hashes)]
+        keys = keys[max(len(keys) - len(ring.hashes), 0):]
         tick = self._tick(now)
         if guessed:
             self._guessing |= bit
@@ -352,6 +365,7 @@ class PrefixTable:
             slot, held = self._find_one(key)
             if slot < 0:
                 new_keys.append(key)
+                entries.append(key)
                 continue
             if not held & bit:
                 lines[slot >> _LANE_BITS, 2 * (slot & (SLOTS_PER_BUCKET - 1)) + 1] = held | bit
@@ -361,7 +375,6 @@ class PrefixTable:
             if not guessed:
                 gs_guessed[slot] = int(gs_guessed[slot]) & ~bit
             stamp[slot] = tick
-        entries += new_keys
         if not entries:
             return
         slots = self._ring_slots(replica, ring, _ONE << _U64(index), len(entries), tick,
@@ -371,7 +384,7 @@ class PrefixTable:
         self._sizes[replica] += len(entries)
         self._written[replica] += len(entries)
         if new_keys:
-            self._place_small(new_keys, bit, bit if guessed else 0, tick)
+            self._place_small(sorted(new_keys), bit, bit if guessed else 0, tick)
 
     def _choices(self, key: int) -> tuple[int, int]:
         """A key's two buckets, as _buckets computes them (scalar)."""

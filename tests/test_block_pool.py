@@ -55,6 +55,18 @@ def test_eviction_is_least_recently_used_and_emits_removed():
     assert pool.longest_cached_prefix(block_hashes([2] * 8, BS)) == new
 
 
+def test_a_released_partial_block_is_reused_before_any_cached_block_is_evicted():
+    pool = BlockPool(num_blocks=5, block_size=BS)
+    old = fill(pool, list(range(8)))             # 2 full blocks, cached
+    pool.release(old)
+    partial = fill(pool, list(range(100, 110)))  # 2 full blocks and a partial one: the pool is full
+    pool.release(partial)
+    pool.drain_events()
+    fresh = pool.allocate(1)
+    assert fresh == [partial[2]] and pool.drain_events() == []  # the empty block, nothing evicted
+    assert len(pool.longest_cached_prefix(block_hashes(list(range(8)), BS))) == 2
+
+
 def test_pool_exhaustion_raises_instead_of_overwriting():
     pool = BlockPool(num_blocks=2, block_size=BS)
     fill(pool, list(range(8)))

@@ -61,6 +61,20 @@ def test_written_counts_each_block_a_replica_takes_in_once_until_it_is_evicted(b
     assert table.written(["a", "b"]) == [2 * blocks, 2]
 
 
+@pytest.mark.parametrize("blocks", [10, 40])  # the scalar path for a few blocks, numpy's for more
+def test_a_partly_evicted_prompt_keeps_its_first_blocks_as_its_replica_does(blocks):
+    """A replica frees a sequence's blocks tail-first, so when it must evict part of an old
+    prompt it loses the prompt's last blocks and still serves a prefix of it. The table's ring
+    evicts the same way (in hash order it lost random blocks, the first one often among them,
+    and with it the whole match)."""
+    table = PrefixTable(expected_blocks=1 << 14)  # roomy buckets: only the ring evicts here
+    table.add_replica("a", 2 * blocks)
+    old = block_hashes(list(range(16 * blocks)))
+    table.insert("a", old, guessed=False, now=0)
+    table.insert("a", block_hashes(list(range(10**6, 10**6 + 24 * blocks))), guessed=False, now=1)
+    assert table.match(old, now=2)["a"] == blocks // 2  # its last half made room, its first half stays
+
+
 def test_capacity_bounds_each_replica_with_lru_like_eviction():
     table = _table("a", "b", capacity=100)
     hot = block_hashes(list(range(16 * 20)))
