@@ -222,8 +222,8 @@ class CacheAware:
     full), then to the one whose cache turns over slowest (fewest blocks new to it of late for its
     capacity, decayed with `turnover_half_life_s`: what a full cache takes in it evicts, so feeding
     them evenly keeps every prefix about as long as one pooled LRU would), then by rendezvous hash of the prompt's first block that no replica holds (its own
-    content: a new conversation's first message, not the shared system prompt), never by config
-    order: new prefixes spread over the replicas, and each replica's share of them fits its cache
+    content: a new conversation's first message, not the shared system prompt; a prompt shorter
+    than a block, which caches nothing, in turns), never by config order: new prefixes spread over the replicas, and each replica's share of them fits its cache
     (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
 
     `commit(decision)` records the prompt's blocks as guessed on the chosen replica (approximate
@@ -254,7 +254,7 @@ class CacheAware:
         # how fast its cache turns over
         self.turnover_half_life_s = turnover_half_life_s
         self._new_blocks: dict[str, tuple[int, float, float]] = {}
-        self._turn = 0  # rank rotation for prompts shorter than a block (no block of their own)
+        self._turn = 0  # turns for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
         require_candidates(candidates)
@@ -335,17 +335,19 @@ class CacheAware:
         # Then where the fewest new blocks went of late: while caches fill, the emptiest to the
         # block; once they are full, what each takes in it evicts. No tolerance: the chosen
         # replica's count rises with this prompt's guess at commit, so the next new prompt
-        # already sees it (precise mode's events only confirm it).
-        values = self.turnover(names, table)
-        low = min(values)
-        if max(values) > low:
-            tied = [i for i, share in zip(tied, values) if share == low]
-            if len(tied) == 1:
-                return tied[0], "slowest cache turnover"
-            names = [candidates[i] for i in tied]
-        if own_block is None:  # a prompt shorter than a block: rotate
+        # already sees it (precise mode's events only confirm it). A prompt shorter than a block
+        # adds nothing to any cache (and would not move the count: they would all pile up).
+        if n_blocks:
+            values = self.turnover(names, table)
+            low = min(values)
+            if max(values) > low:
+                tied = [i for i, share in zip(tied, values) if share == low]
+                if len(tied) == 1:
+                    return tied[0], "slowest cache turnover"
+                names = [candidates[i] for i in tied]
+        if own_block is None:  # a prompt shorter than a block caches nothing: take turns
             self._turn += 1
-            own_block = self._turn
+            return tied[self._turn % len(tied)], "rotation"
         # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
         # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
         key = own_block & _MASK32
