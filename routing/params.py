@@ -43,8 +43,8 @@ class CacheAwareParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # shared system prompt does not follow the replica that cached it first; its own history does.
     follow_min_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.5
     learn_from_routing: bool = True  # approximate mode: a routed prompt is assumed cached there
-    # Once every cache is full, new content goes to the replica that took the fewest new blocks
-    # (per block of its cache) of late, counted with this half-life: where it will live longest.
+    # New content (a tie) goes to the replica that took the fewest new blocks (per block of its
+    # cache) of late, counted with this half-life: once caches are full, where it lives longest.
     turnover_half_life_s: Annotated[float, Meta(gt=0)] = 20.0
 
 

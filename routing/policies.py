@@ -134,8 +134,8 @@ BRANCH_SHARED = 1
 # whose cache turns over slowest, i.e. that recently took the fewest new blocks for its capacity
 # (once full, what each replica evicts is what it was sent). A pool of per-replica LRUs fed evenly
 # behaves like one LRU of their summed size; fed by a hash, one of them evicts a prefix that is
-# about to be reused while another still keeps older content (bench.cache_routing's trace: 0.72-1.01
-# of the pooled oracle by hash, 1.00-1.04 in replays of the same logs fed by turnover).
+# about to be reused while another still keeps older content (bench.cache_routing's trace: hit
+# rate 0.83-0.85 of the pooled oracle by hash, 0.92-1.06 fed by turnover).
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
@@ -218,13 +218,15 @@ class CacheAware:
 
     Ties (nothing deeper cached on one replica than another, equal queueing) go to the least
     loaded, then to a replica whose cache is clearly emptiest (fewest blocks in the table for its
-    capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt, while it is under FILL_SPREAD_BELOW
-    full), then to the one whose cache turns over slowest (fewest blocks new to it of late for its
-    capacity, decayed with `turnover_half_life_s`: what a full cache takes in it evicts, so feeding
-    them evenly keeps every prefix about as long as one pooled LRU would), then by rendezvous hash of the prompt's first block that no replica holds (its own
-    content: a new conversation's first message, not the shared system prompt; a prompt shorter
-    than a block, which caches nothing, in turns), never by config order: new prefixes spread over the replicas, and each replica's share of them fits its cache
-    (SGLang's "smallest tree" for a low match). A prefix's later requests then follow their cache.
+    capacity, by more than FILL_TOLERANCE_PROMPTS of this prompt, while it is under
+    FILL_SPREAD_BELOW full), then to the one whose cache turns over slowest (fewest blocks new to
+    it of late for its capacity, decayed with `turnover_half_life_s`: what a full cache takes in
+    it evicts, so feeding them evenly keeps every prefix about as long as one pooled LRU would),
+    then by rendezvous hash of the prompt's first block that no replica holds (its own content: a
+    new conversation's first message, not the shared system prompt; a prompt shorter than a block,
+    which caches nothing, in turns), never by config order: new prefixes spread over the
+    replicas, and each replica's share of them fits its cache (SGLang's "smallest tree" for a low
+    match). A prefix's later requests then follow their cache.
 
     `commit(decision)` records the prompt's blocks as guessed on the chosen replica (approximate
     mode, learn_from_routing), off the decision path: the gateway calls it once the request is

@@ -61,8 +61,7 @@ def _ring_order(keys: np.ndarray, capacity: int) -> np.ndarray:
     table as on the replica. Written in hash order, the hand took blocks from anywhere in the
     prompt, and losing its first block lost the table's whole match while the replica still held
     most of it. Beyond `capacity`, the earliest blocks are kept."""
-    unique, first = np.unique(keys, return_index=True)
-    ordered = keys[np.sort(first)[::-1]] if unique.size else unique
+    ordered = keys[np.sort(np.unique(keys, return_index=True)[1])[::-1]]
     return ordered[max(ordered.size - capacity, 0):]
 
 
