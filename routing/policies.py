@@ -135,7 +135,8 @@ BRANCH_SHARED = 1
 # (once full, what each replica evicts is what it was sent). A pool of per-replica LRUs fed evenly
 # behaves like one LRU of their summed size; fed by a hash, one of them evicts a prefix that is
 # about to be reused while another still keeps older content (bench.cache_routing's trace: hit
-# rate 0.83-0.85 of the pooled oracle by hash, 0.92-1.06 fed by turnover).
+# rate 0.83-0.85 of the pooled oracle by hash, 0.92-1.06 by turnover with tail-first rings and
+# replicas that reuse empty blocks first).
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
