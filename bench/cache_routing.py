@@ -226,8 +226,7 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
             # What the client saw of each request, for tails of routers that log no records (sglang-router).
             (out / f"{stem}.requests.jsonl").write_text("".join(
                 json.dumps({"index": i, "session": request.session, "units": len(request.units),
-                            "arrival_s": round(result.scheduled_s, 4), "ttft_s": ok_ttfts([result])[0] if
-                            result.status == 200 and not result.error else None,
+                            "arrival_s": round(result.scheduled_s, 4), "ttft_s": (ok_ttfts([result]) or [None])[0],
                             "latency_s": round(result.latency_s, 4), "status": result.status}) + "\n"
                 for i, (request, result) in enumerate(zip(workload.requests, results))))
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
