@@ -99,17 +99,19 @@ DETERMINISM = textwrap.dedent("""
         return RouteRequest(model="m", prompt_token_ids=tokens,
                             block_hashes=np.asarray(block_hashes(tokens, 16), dtype=np.uint64))
 
-    state = RoutingState(block_size=16)
+    now = [0.0]  # the same arrival times in every process: what two gateways in front of one pool see
+    state = RoutingState(block_size=16, clock=lambda: now[0])
     names = ["gpu-a", "gpu-b", "gpu-c", "gpu-d"]
     for name in names:
         state.add_replica(name, "m", 500)
     policy, rng, system = CacheAware(state), random.Random(5), list(range(40, 40 + 64))
     choices = []
     for i in range(60):  # new prompts, prompts behind a shared system prompt, and their next turns
+        now[0] = i * 0.25
         tokens = (system if i % 3 else []) + [rng.randrange(10, 250) for _ in range(rng.randrange(1, 90))]
         decision = policy.choose(names, request(tokens))
         policy.commit(decision)
-        state.table("m").insert(decision.replica, request(tokens).block_hashes, guessed=False, now=0.0)
+        state.table("m").insert(decision.replica, request(tokens).block_hashes, guessed=False, now=now[0])
         choices.append(decision.replica)
     print(",".join(choices))
 """)
@@ -117,7 +119,8 @@ DETERMINISM = textwrap.dedent("""
 
 def test_cache_aware_choices_do_not_depend_on_the_process():
     """Two gateways agree only if nothing per process (hash seeds, dict order, start time) enters a
-    choice: the same table and loads give the same replica in processes with other hash seeds."""
+    choice: the same table, loads and arrival times give the same replica in processes with other
+    hash seeds (the cache-turnover tie-break decays with time, so the times are the test's own)."""
     outputs = set()
     for seed in ("1", "2", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
