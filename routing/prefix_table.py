@@ -345,9 +345,10 @@ class PrefixTable:
 
     def _insert_small(self, replica: str, ring: _Ring, hashes, guessed: bool, now: float) -> None:
         """insert() of a few blocks in scalar Python: the same steps as the numpy path, whose ~40
-        array calls cost ~150 us however few the blocks (a short prompt's guess, on every request):
-        ~1 us a block the replica holds already (a repeated prompt: stamps touched, a confirmation
-        clears the guess), the ring's CLOCK still numpy's for blocks new to it."""
+        array calls cost ~150 us however few the blocks (a short prompt's guess, on every request;
+        a replica's KV event batch of one engine step): ~1 us a block the replica holds already (a
+        repeated prompt: stamps touched, a confirmation clears the guess), a few more for a block
+        new to it (the ring's CLOCK in scalar too, _ring_slots_small)."""
         index = self._index[replica]
         bit = 1 << index
         given = hashes.tolist() if isinstance(hashes, np.ndarray) else list(hashes)
@@ -376,10 +377,10 @@ class PrefixTable:
             stamp[slot] = tick
         if not entries:
             return
-        slots = self._ring_slots(replica, ring, _ONE << _U64(index), len(entries), tick,
-                                 protect=np.array(keys, dtype=_U64))
-        ring.hashes[slots] = np.array(entries, dtype=_U64)
-        ring.seen[slots] = tick
+        slots = self._ring_slots_small(replica, ring, bit, len(entries), tick, protect=set(keys))
+        for slot, key in zip(slots, entries):
+            ring.hashes[slot] = key
+            ring.seen[slot] = tick
         self._sizes[replica] += len(entries)
         self._written[replica] += len(entries)
         if new_keys:
@@ -433,6 +434,12 @@ class PrefixTable:
 
     def remove(self, replica: str, hashes) -> None:
         """The replica evicted these blocks (BlockRemoved)."""
+        if len(hashes) <= _SMALL_INSERT:  # one engine step's evictions: scalar (numpy's calls cost ~40 us)
+            slots = {self._find_one(int(key) or 1)[0] for key in
+                     (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)}
+            slots.discard(-1)
+            self._drop_bit_small(replica, slots)
+            return
         keys = as_block_keys(hashes)
         if keys.size == 0:
             return
@@ -584,6 +591,68 @@ class PrefixTable:
         emptied = pos[self._held[cell] == 0]
         self._keys[_cell(emptied)] = 0
         self._sizes[replica] -= int(pos.size)
+
+    def _drop_bit_small(self, replica: str, slots) -> None:
+        """_drop_bit for a few distinct flat slots, in scalar Python."""
+        bit = 1 << self._index[replica]
+        lines, guessed = self._lines, self._guessed
+        dropped = 0
+        for slot in slots:
+            bucket, lane = slot >> _LANE_BITS, slot & (SLOTS_PER_BUCKET - 1)
+            held = int(lines[bucket, 2 * lane + 1])
+            if not held & bit:
+                continue
+            held &= ~bit
+            lines[bucket, 2 * lane + 1] = held
+            guessed[slot] = int(guessed[slot]) & ~bit
+            if not held:
+                lines[bucket, 2 * lane] = 0
+            dropped += 1
+        self._sizes[replica] -= dropped
+
+    def _ring_slots_small(self, replica: str, ring: _Ring, bit: int, need: int, tick: int,
+                          protect: set[int]) -> list[int]:
+        """_ring_slots for a few entries, in scalar Python, position for position what it hands
+        out and marks: the same windows and passes, but a window's positions are looked at only
+        up to the last one it takes (numpy looks at 64 to take one: ~80 us), and the bits of its
+        victims dropped once the window is done, as numpy does."""
+        capacity = len(ring.hashes)
+        take = min(need, capacity - ring.fill)
+        slots = list(range(ring.fill, ring.fill + take))
+        ring.fill += take
+        need -= take
+        if need <= 0:
+            return slots
+        given = set(slots)
+        hashes, seen, stamp, find = ring.hashes, ring.seen, self._stamp, self._find_one
+        passes = 0
+        while need > 0:
+            width = min(capacity, max(2 * need, 64))
+            victims, recent_at = [], []  # (offset, ring position, flat slot or -1 when dead); (offset, position)
+            for offset in range(width):
+                position = (ring.hand + offset) % capacity
+                key = int(hashes[position]) or 1
+                slot, held = find(key)
+                live = slot >= 0 and held & bit
+                if live and ((passes < 2 and int(stamp[slot]) > int(seen[position]))
+                             or (passes < 3 and key in protect)):  # never what is being inserted now
+                    recent_at.append((offset, position))
+                elif position not in given:
+                    victims.append((offset, position, slot if live else -1))
+                    if len(victims) == need:
+                        break
+            last = victims[-1][0] + 1 if victims else width  # the window ends at its last victim
+            for offset, position in recent_at:
+                if offset < last:
+                    seen[position] = tick  # second chance used up
+            positions = [position for _, position, _ in victims]
+            given.update(positions)
+            self._drop_bit_small(replica, {slot for _, _, slot in victims if slot >= 0})
+            slots.extend(positions)
+            need -= len(victims)
+            ring.hand = (ring.hand + last) % capacity
+            passes += 1 if last == width else 0
+        return slots
 
     def _ring_slots(self, replica: str, ring: _Ring, bit, need: int, tick: int, protect) -> np.ndarray:
         """`need` ring positions for new entries: unused ones first, then CLOCK victims."""

@@ -32,8 +32,9 @@ def _state(table: PrefixTable) -> tuple:
 
 @pytest.mark.parametrize("expected_blocks", [4096, 64])  # 64: buckets overflow (second choice, eviction)
 def test_the_scalar_touch_and_small_insert_leave_the_table_as_the_array_path_does(monkeypatch, expected_blocks):
-    """Inserts of up to 16 blocks (every short prompt's guess) run in scalar Python: slot for slot
-    what the numpy path writes, ring evictions and full buckets included."""
+    """Inserts and removals of up to 16 blocks (every short prompt's guess, a replica's KV event
+    batch of one engine step) run in scalar Python: slot for slot what the numpy path writes, ring
+    evictions (CLOCK second chances, the hand, passes) and full buckets included."""
     fast, slow = _tables(expected_blocks)
     rng = random.Random(3)
     prompts = [np.array(block_hashes([rng.randrange(500) for _ in range(rng.randrange(16, 200))]), dtype=np.uint64)
@@ -41,10 +42,14 @@ def test_the_scalar_touch_and_small_insert_leave_the_table_as_the_array_path_doe
     for step in range(600):
         replica, prompt = rng.choice("abc"), rng.choice(prompts)
         guessed, now = rng.random() < 0.7, step * 0.37
-        if rng.random() < 0.1:
+        if rng.random() < 0.2:  # a replica's evictions (BlockRemoved): a few blocks take the scalar path too
             start = rng.randrange(len(prompt))
-            for table in (fast, slow):
-                table.remove(replica, prompt[start:])
+            removed = prompt[start:start + rng.choice((2, 8, 40))]
+            fast.remove(replica, removed)
+            monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
+            slow.remove(replica, removed)
+            monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 16)
+            assert _state(fast) == _state(slow), step
             continue
         fast.insert(replica, prompt, guessed=guessed, now=now)
         monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
