@@ -335,7 +335,11 @@ class PrefixTable:
         ring_entries = keys[entering]  # in ring order (see _ring_order)
         if ring_entries.size == 0:
             return
-        slots = self._ring_slots(replica, ring, bit, ring_entries.size, tick, protect=keys)
+        if ring_entries.size <= _SMALL_INSERT:  # a long prompt mostly held already: a few new entries
+            slots = self._ring_slots_small(replica, ring, 1 << self._index[replica], ring_entries.size, tick,
+                                           protect=set(keys.tolist()))
+        else:
+            slots = self._ring_slots(replica, ring, bit, ring_entries.size, tick, protect=keys)
         ring.hashes[slots] = ring_entries
         ring.seen[slots] = tick
         self._sizes[replica] += int(ring_entries.size)
