@@ -1,4 +1,4 @@
-"""Precise mode: one zmq.asyncio SUB per replica with `kv_events`, feeding routing's KVEventIndex.
+"""Precise mode: one SUB per replica with `kv_events` (read off its fd on the gateway's loop), feeding routing's KVEventIndex.
 
 Lifecycle of a replica's mode (kvgate_routing_mode{replica}: 1 precise, 0 approximate):
   connect  -> SUB connects, then a replay from seq 0 (the replica's buffered history: a gateway
