@@ -17,6 +17,7 @@ from gateway.health import STATES, HealthPolicy, ReplicaHealth
 from gateway.http_client import Origin, UpstreamClient
 from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
+from tokenization.token_cache import warmed
 
 try:
     from asyncio import timeout_at
@@ -270,7 +271,7 @@ class ReplicaPool:
             started = time.perf_counter()
             loop = asyncio.get_running_loop()
             replica.tokenizer = await loop.run_in_executor(
-                None, TokenizerBundle.from_payload, gzip.decompress(payload) if gzipped else payload)
+                None, lambda: warmed(TokenizerBundle.from_payload(gzip.decompress(payload) if gzipped else payload)))
             log.info("tokenizer_loaded", replica=replica.name, source="replica",
                      load_ms=round((time.perf_counter() - started) * 1000, 1))
             # A built-in replica says its default sampling; a resumed answer keeps its max_tokens.
@@ -285,7 +286,7 @@ class ReplicaPool:
         path = replica.spec.tokenizer
         loader = TokenizerBundle.from_gguf if path.endswith(".gguf") else TokenizerBundle.from_hf_dir
         try:
-            replica.tokenizer = await asyncio.get_running_loop().run_in_executor(None, loader, path)
+            replica.tokenizer = await asyncio.get_running_loop().run_in_executor(None, lambda: warmed(loader(path)))
             log.info("tokenizer_loaded", replica=replica.name, source=path)
         except Exception as exc:
             replica.last_error = f"tokenizer {path}: {_reason(exc)}"

@@ -233,3 +233,17 @@ def token_cache(bundle: TokenizerBundle) -> TokenCache:
             if cache is None:
                 cache = _caches[bundle] = TokenCache(bundle)
     return cache
+
+
+def warmed(bundle: TokenizerBundle) -> TokenizerBundle:
+    """The bundle, its cache made and its encode paths run once (prompt text, a chat template):
+    called where the tokenizer is loaded, off the event loop, so the first requests after a start
+    do not wait for the tokenizer's JSON to be parsed again and the splitter built (~10 ms)."""
+    cache = token_cache(bundle)
+    cache.encode("Warm-up: a sentence.", add_special_tokens=True)
+    try:
+        text = bundle.apply_chat_template([{"role": "user", "content": "Warm-up."}], add_generation_prompt=True)
+    except ValueError:  # no chat template: chat requests are refused anyway
+        return bundle
+    cache.encode(text, add_special_tokens=False)
+    return bundle
