@@ -206,7 +206,8 @@ class CacheAware:
     little; the score's queueing term still weighs those requests). "The same prefix" is judged at
     the depth the prompt would follow, not by its first block: behind a system prompt that every
     request shares, a conversation's next turn follows its own history, and new conversations
-    that share only the system prompt spread. The least loaded are always allowed.
+    that share only the system prompt spread. The least loaded are always allowed, and with no
+    match that steers on any candidate the guard does not apply (the scores are load alone).
 
     A match that ends where other routed prompts branched off too (a shared prefix: the system
     prompt every conversation starts with) steers only when it covers `follow_min_fraction` of
@@ -291,7 +292,11 @@ class CacheAware:
         scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
                   + queue_weight * delay for blocks, delay in zip(matched, delays)]
         bound = max(strict_cap, least)  # the least loaded are always allowed
-        if max(loads) <= bound:
+        # The guard bounds following a cache. With nothing cached to follow anywhere, the scores
+        # are prefill and queueing alone and already weigh the load: bounding the request count
+        # too sent a trace's 172-token prompt to the one replica under the count bound, 115 ms of
+        # queue behind a 1,633-token prefill, past one with 37 ms (TTFT 250 ms, a p99 request).
+        if max(loads) <= bound or deepest < min_match:
             allowed = range(len(loads))
             best_score = min(scores)
         else:
