@@ -37,6 +37,17 @@ def _load_model(section: RoutingSection) -> LoadModel:
                      decode_step_base_s=load.decode_step_base_s, stale_after_s=load.stale_after_s)
 
 
+def _routing_state(routing: RoutingSection) -> RoutingState:
+    return RoutingState(LoadTracker(_load_model(routing)), block_size=routing.block_size,
+                        guess_ttl_s=routing.guess_ttl_s)
+
+
+def _policy(routing: RoutingSection, state: RoutingState):
+    """The configured policy over `state` (raises on one that cannot be built)."""
+    params = routing.policy_params()
+    return make_policy(routing.policy, params, state, routing.policy_params(getattr(params, "fallback", None)))
+
+
 class Router:
     def __init__(self, config: Config, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
@@ -55,14 +66,12 @@ class Router:
         their first calls cost ~15 ms (numpy's lazy imports: np.unique alone takes 12 ms once),
         which the first requests after a start would otherwise wait for. Nothing real changes."""
         routing = self.config.routing
-        block = routing.block_size
-        scratch = RoutingState(LoadTracker(_load_model(routing)), block_size=block, guess_ttl_s=routing.guess_ttl_s)
+        scratch = _routing_state(routing)
         for name in ("warm-a", "warm-b"):
             scratch.add_replica(name, "warm", 256)
-        params = routing.policy_params()
-        policy = make_policy(routing.policy, params, scratch, routing.policy_params(getattr(params, "fallback", None)))
-        tokens = list(range(1, 40 * block + 1))
-        hashes = np.asarray(block_hashes(tokens, block), dtype=np.uint64)
+        policy = _policy(routing, scratch)
+        tokens = list(range(1, 40 * routing.block_size + 1))
+        hashes = self.hashes(tokens, None)
         decision = policy.choose(["warm-a", "warm-b"], RouteRequest(model="warm", prompt_token_ids=tokens,
                                                                    block_hashes=hashes))
         decision.as_log()
@@ -83,11 +92,8 @@ class Router:
         fresh = (policy_state is None or policy_state.block_size != routing.block_size
                  or policy_state.guess_ttl_s != routing.guess_ttl_s)
         if fresh:  # new block size or TTL: the tables' keys/stamps mean something else; start over
-            policy_state = RoutingState(LoadTracker(_load_model(routing)), block_size=routing.block_size,
-                                        guess_ttl_s=routing.guess_ttl_s)
-        params = routing.policy_params()
-        policy = make_policy(routing.policy, params, policy_state,
-                             routing.policy_params(getattr(params, "fallback", None)))
+            policy_state = _routing_state(routing)
+        policy = _policy(routing, policy_state)
         if not fresh:
             policy_state.tracker.model = _load_model(routing)
         wanted = {spec.name: spec for spec in config.replicas}

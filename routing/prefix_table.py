@@ -50,6 +50,11 @@ def _cell(slot):
     return slot >> _LANE_BITS, slot & (SLOTS_PER_BUCKET - 1)
 
 
+def _int_keys(hashes) -> list[int]:
+    """as_block_keys for the scalar paths: the keys as Python ints, 0 made 1."""
+    return [int(key) or 1 for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)]
+
+
 class PrefixTableError(ValueError):
     pass
 
@@ -355,8 +360,7 @@ class PrefixTable:
         new to it (the ring's CLOCK in scalar too, _ring_slots_small)."""
         index = self._index[replica]
         bit = 1 << index
-        given = hashes.tolist() if isinstance(hashes, np.ndarray) else list(hashes)
-        keys = list(dict.fromkeys((int(key) or 1) for key in reversed(given)))  # _ring_order's, in Python
+        keys = list(dict.fromkeys(reversed(_int_keys(hashes))))  # _ring_order's, in Python
         if not keys:
             return
         keys = keys[max(len(keys) - len(ring.hashes), 0):]
@@ -439,8 +443,7 @@ class PrefixTable:
     def remove(self, replica: str, hashes) -> None:
         """The replica evicted these blocks (BlockRemoved)."""
         if len(hashes) <= _SMALL_INSERT:  # one engine step's evictions: scalar (numpy's calls cost ~40 us)
-            slots = {self._find_one(int(key) or 1)[0] for key in
-                     (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)}
+            slots = {self._find_one(key)[0] for key in _int_keys(hashes)}
             slots.discard(-1)
             self._drop_bit_small(replica, slots)
             return
