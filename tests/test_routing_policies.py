@@ -169,6 +169,26 @@ def test_a_prefix_follows_its_cache_past_a_small_imbalance_unless_it_is_running_
     assert again.replica != holder and again.reason.startswith("balance guard"), again.as_log()
 
 
+def test_a_prompt_nothing_cached_for_goes_to_the_shortest_queue_not_the_fewest_requests():
+    """The balance guard bounds following a cache. With no match anywhere, a replica running one
+    long prefill is not a better place than one running two short ones (a trace's p99 request
+    waited 115 ms behind a 1,633-token prefill, past a replica with 37 ms of queue)."""
+    state = _state(REPLICAS)
+    policy = make_policy("cache_aware", {}, state)
+    rng = random.Random(4)
+
+    def unseen(n):
+        return [rng.randrange(10, 30000) for _ in range(n)]
+    for replica in ("r0", "r1", "r2"):
+        for _ in range(2):
+            state.tracker.on_routed(replica, 200, 0, _request(unseen(200)).block_hashes)
+    state.tracker.on_routed("r3", 1633, 0, _request(unseen(1633)).block_hashes)
+    decision = policy.choose(REPLICAS, _request(unseen(172)))
+    assert decision.replica != "r3", decision.as_log()
+    delays = dict(zip(REPLICAS, state.tracker.loads_and_delays(REPLICAS, state.clock())[1]))
+    assert delays[decision.replica] == min(delays.values()) < delays["r3"]
+
+
 def test_least_load_and_bounded_consistent_hash_stay_balanced():
     for name in ("least_load", "consistent_hash"):
         counts, _ = _simulate(name, groups=3)
