@@ -9,7 +9,9 @@ binds one PUB socket (`w0.sock`, `w1.sock`, ..., `parent.sock`) and subscribes t
                               r1 by worker 1 at once (approximate mode has no other way to know;
                               precise mode gets the same from the KV events a moment later)
   load    worker -> all       its own in-flight requests per replica, within 20 ms of a change, else
-                              once a second; also whether it listens and is ready.
+                              once a second; also whether it listens and is ready (its replicas
+                              ready, and a load message heard from every other worker: its
+                              subscriptions are connected, so no commit of theirs is lost).
                               Workers count them as load they did not route (gateway/scraper.py),
                               the parent waits for them before stopping a removed replica
   drain   worker -> parent    an operator's drain/undrain that reached this worker, numbered, re-sent
@@ -265,7 +267,10 @@ class WorkerLink:
         last_sent, last_beat = None, 0.0
         while True:
             now = time.monotonic()
-            report = (self.listening, self.ready, self._own_counts())
+            # Ready once this worker also hears every other worker: a SUB connected before its
+            # peer bound reconnects some time later, and a decision published meanwhile is lost
+            # (the peer then routes that prefix without knowing where it went).
+            report = (self.listening, self.ready and len(self._peers) == self.spec.count - 1, self._own_counts())
             if report != last_sent or now - last_beat >= HEARTBEAT_S:
                 self._publisher.send(LOAD, Load(self.index, *report))
                 last_sent = report
