@@ -75,10 +75,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         keys = _gather(k_cache, block_tables[i], context_len).transpose(0, 1).to(q.dtype)
         values = _gather(v_cache, block_tables[i], context_len).transpose(0, 1).to(q.dtype)
         prefix_len = context_len - q_len
-        # query j (absolute position prefix_len + j) sees keys 0 .. prefix_len + j
-        mask = (torch.arange(context_len, device=q.device)[None, :]
-                <= torch.arange(prefix_len, context_len, device=q.device)[:, None])
+        if prefix_len:
+            # query j (absolute position prefix_len + j) sees keys 0 .. prefix_len + j
+            mask = (torch.arange(context_len, device=q.device)[None, :]
+                    <= torch.arange(prefix_len, context_len, device=q.device)[:, None])
+        else:
+            mask = None  # nothing cached before the chunk: plain causal attention
+        # 4-D [1, heads, tokens, D]: the shape torch's fused (flash) CPU kernel takes, mask and GQA
+        # included. 3-D inputs fall back to the math path, which materializes every score: 4-6x
+        # slower for a 512-token chunk over a 2k context on one core.
         out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
-            enable_gqa=num_heads != keys.shape[0]).transpose(0, 1)
+            q[start:end].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=num_heads != keys.shape[0])[0].transpose(0, 1)
     return out
