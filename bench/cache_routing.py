@@ -2,7 +2,10 @@
 
 4 built-in tiny replicas (`python -m replica --model tiny`), each with a small KV cache
 (`--capacity-blocks`, so a replica holds a fraction of the traffic's working set and eviction
-matters), serve every workload of bench.workloads (a chat, b agent, c trace, d groups) once per
+matters) and each held to a fixed CPU share (`--replica-cpu`, default 0.8 x cores / replicas, via
+bench.cpu_caps where cgroups allow: co-located replicas then do not slow each other down, as
+replicas on separate devices do not; uncapped, four replicas on two cores reward a router that
+loads few of them), serve every workload of bench.workloads (a chat, b agent, c trace, d groups) once per
 router; the replicas are restarted for each run (caches start empty) and every router gets the
 same requests at the same arrival times, streamed:
 
@@ -39,6 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.cpu_caps import CpuCaps
 from bench.loadgen import RequestResult, process_cpu_s
 from bench.replay import replay
 from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
@@ -67,6 +71,10 @@ class Settings:
     capacity_blocks: int = 768
     stream: bool = True
     keep_logs: str | None = None
+    # Cores each replica may use (bench.cpu_caps): replicas on separate devices do not slow each
+    # other down; 0 = uncapped (the replicas share the machine's cores).
+    replica_cpu: float = 0.0
+    cpu_note: str = ""
 
 
 @dataclass
@@ -135,7 +143,9 @@ def enter_server(stack: contextlib.ExitStack, start):
 
 
 def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list[tuple[str, str]]]:
-    """s.replicas tiny replicas publishing KV events (for every router alike), started in parallel."""
+    """s.replicas tiny replicas publishing KV events (for every router alike), started in parallel,
+    each capped at s.replica_cpu cores where the machine allows (bench.cpu_caps)."""
+    caps = stack.enter_context(CpuCaps(s.replica_cpu))  # entered first: its cgroups go once the replicas stopped
     kv_gb = s.capacity_blocks * TINY_KV_BYTES_PER_BLOCK / (1 << 30)
 
     def start(_index):
@@ -155,7 +165,11 @@ def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list
     # Unwinding stops them one by one; a SIGTERM to all first makes those waits overlap too.
     stack.callback(lambda: [r.proc.poll() is None and r.proc.send_signal(signal.SIGTERM) for r in replicas])
     for replica in replicas:
+        caps.cap(replica.proc.pid)
         warm_up(replica.url)
+    s.cpu_note = (f"each replica capped at {s.replica_cpu:.2f} of a core (bench.cpu_caps)" if not caps.unavailable
+                  else f"replicas share the machine's cores ({caps.unavailable}): they slow each other down, "
+                       f"which favours routers that load few replicas")
     return replicas, [endpoints for _, endpoints in started]
 
 
@@ -292,6 +306,7 @@ def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: 
                     f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}{r.added_ms:>7.2f}ms  {r.served}"
                     + "".join(f"\n      note: {n}" for n in r.notes))
     rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
+    rows.append(f"  {s.cpu_note}")
     rows.append(f"  cores: CPU busy during the traffic, whole machine / replicas + router "
                 f"({os.cpu_count()} cores; the rest is the client and the neighbours); added: client TTFT "
                 f"mean - the replicas' own TTFT mean (what the router in front adds)")
@@ -310,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small workloads (~4 min): the machinery, not figures")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default 768)")
+    parser.add_argument("--replica-cpu", type=float, default=None,
+                        help="cores each replica may use, as if on a device of its own (default: 0.8 x the "
+                             "machine's cores / replicas; 0: uncapped, replicas share the cores)")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
     parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
                                                           "(kvgate logs at info: one record per request with its routing), "
@@ -322,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs)
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
+    s.replica_cpu = (round(0.8 * (os.cpu_count() or 1) / s.replicas, 2) if args.replica_cpu is None
+                     else args.replica_cpu)
     selection = Selection.from_args(args)
 
     from rich.console import Console

@@ -134,3 +134,31 @@ def test_every_bench_script_runs_the_way_the_readmes_show():
         done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], cwd=root,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "usage" in done.stdout.lower(), (name, done.stderr[-500:])
+
+
+def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_after():
+    """bench.cpu_caps, which bench.cache_routing puts each replica under: a busy loop capped at
+    0.2 of a core spends about 0.2 s of CPU per second, where uncapped it would spend about 1."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.cpu_caps import CpuCaps
+    from bench.loadgen import process_cpu_s
+
+    with CpuCaps(0.2) as caps:
+        if caps.unavailable:
+            pytest.skip(caps.unavailable)
+        spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+        try:
+            assert caps.cap(spin.pid), caps.unavailable
+            time.sleep(0.3)
+            cpu0, wall0 = process_cpu_s(spin.pid), time.monotonic()
+            time.sleep(1.5)
+            share = (process_cpu_s(spin.pid) - cpu0) / (time.monotonic() - wall0)
+        finally:
+            spin.kill()
+            spin.wait()
+        groups = list(caps._groups)
+    assert 0.1 < share < 0.3, share
+    assert groups and not any(g.exists() for g in groups)
