@@ -49,6 +49,11 @@ class CpuCaps:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def groups(self) -> list[Path]:
+        """The cgroups made so far (removed by close)."""
+        return list(self._groups)
+
     def cap(self, pid: int) -> bool:
         """Put process `pid` (all its threads) in a cgroup of its own, at most `cores` of a core."""
         if self._base is None:

@@ -159,6 +159,6 @@ def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_afte
         finally:
             spin.kill()
             spin.wait()
-        groups = list(caps._groups)
+        groups = caps.groups
     assert 0.1 < share < 0.3, share
     assert groups and not any(g.exists() for g in groups)

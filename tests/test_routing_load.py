@@ -75,3 +75,36 @@ def test_a_scrape_that_saw_our_own_requests_does_not_count_them_twice():
     for _ in range(3):
         tracker.on_finished("a", 100, started_decoding=False)
     assert tracker.in_flight("a", 101) == 2  # ours finished since; the scrape's copy of them is not load
+
+
+def test_the_line_scan_reads_what_prometheus_clients_parser_reads_from_a_real_exposition():
+    """parse_load_metrics scans for its few sample lines; on a page written by prometheus_client
+    (label sets, a label value with braces and spaces, a longer name that starts like ours,
+    histograms, a timestamp) it sums what the library's own parser finds."""
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    waiting = Gauge("vllm:num_requests_waiting", "w", ["model_name", "engine"], registry=registry)
+    waiting.labels("m", "0").set(3)
+    waiting.labels('we{ird} "name"', "1").set(4)
+    Gauge("vllm:num_requests_waiting_by_reason", "x", ["reason"], registry=registry).labels("capacity").set(50)
+    Gauge("vllm:num_requests_running", "r", ["model_name"], registry=registry).labels("m").set(5)
+    usage = Gauge("vllm:kv_cache_usage_perc", "u", ["engine"], registry=registry)
+    usage.labels("0").set(0.25)
+    usage.labels("1").set(0.75)
+    Histogram("vllm:time_to_first_token_seconds", "t", ["model_name"], registry=registry).labels("m").observe(0.1)
+    page = generate_latest(registry).decode() + "sglang:num_queue_reqs 2 1700000000000\n"
+
+    expected = {"waiting": 0.0, "running": 0.0, "kv": 0.0}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in ("vllm:num_requests_waiting", "sglang:num_queue_reqs"):
+                expected["waiting"] += sample.value
+            elif sample.name == "vllm:num_requests_running":
+                expected["running"] += sample.value
+            elif sample.name == "vllm:kv_cache_usage_perc":
+                expected["kv"] = max(expected["kv"], sample.value)
+    got = parse_load_metrics(page)
+    assert (got.waiting, got.running, got.kv_cache_usage) == (expected["waiting"], expected["running"], expected["kv"])
+    assert (got.waiting, got.running, got.kv_cache_usage) == (9, 5, 0.75)
