@@ -63,6 +63,7 @@ class Scraper(BackgroundLoop):
             await asyncio.sleep(routing.scrape_interval_s)  # a timer, not a wait on an event
 
     async def scrape(self, replica: ReplicaState, timeout_s: float) -> None:
+        window = self.router.state.tracker.scrape_window(replica.name)
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
             async with self.pool.session.get(replica.base_url + "/metrics", timeout=timeout) as resp:
@@ -87,9 +88,9 @@ class Scraper(BackgroundLoop):
         state = self.router.state
         if replica.name in state.model_of:  # not removed by a reload meanwhile
             if self.peers is None:
-                state.tracker.on_scrape(replica.name, scraped, state.clock())
+                state.tracker.on_scrape(replica.name, scraped, state.clock(), window)
             else:
-                self._scraped_with_peers(replica.name, scraped, state.clock())
+                self._scraped_with_peers(replica.name, scraped, state.clock(), window)
         if match := _NUM_BLOCKS.search(text):
             self.router.learn_capacity(replica.name, int(match.group(1)))
 
@@ -99,8 +100,8 @@ class Scraper(BackgroundLoop):
         load = self.router.state.tracker.replicas.get(replica)
         return (0, 0) if load is None else (load.waiting, load.waiting + load.decoding)
 
-    def _scraped_with_peers(self, replica: str, scraped: ScrapedLoad, now: float) -> None:
-        own_waiting, own_in_flight = self._own(replica)
+    def _scraped_with_peers(self, replica: str, scraped: ScrapedLoad, now: float, window=None) -> None:
+        own_waiting, own_in_flight = self.router.state.tracker.own_during(replica, window)
         peer_waiting, peer_in_flight = self.peers(replica)
         in_flight = max(scraped.waiting + scraped.running - own_in_flight - peer_in_flight, 0.0)
         waiting = min(max(scraped.waiting - own_waiting - peer_waiting, 0.0), in_flight)

@@ -87,6 +87,7 @@ class ReplicaLoad:
     backlog_tokens: float = 0.0
     backlog_at: float = 0.0
     decoding: int = 0                # streaming sequences
+    routed: int = 0                  # requests ever routed here (a scrape's window counts them)
     decoding_context_tokens: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     # ticket -> block hashes of our requests in flight here: what the balance guard asks when a
@@ -134,6 +135,7 @@ class LoadTracker:
         `block_hashes`: the prompt's, remembered while it runs (see running_prefix)."""
         load = self._get(replica)
         load.waiting += 1
+        load.routed += 1
         uncached = max(prompt_tokens - cached_tokens, 0)
         load.pending_prefill_tokens += uncached
         self._drain(load)
@@ -188,11 +190,32 @@ class LoadTracker:
         return any(len(running) >= depth and running[depth - 1] == key
                    for running in load.running_prompts.values())
 
-    def on_scrape(self, replica: str, scraped: ScrapedLoad, now: float) -> None:
+    def scrape_window(self, replica: str) -> tuple[int, int, int]:
+        """Taken when a scrape is sent, handed to on_scrape with its answer: (waiting, in flight,
+        routed so far) of our own requests there."""
+        load = self._get(replica)
+        return load.waiting, load.waiting + load.decoding, load.routed
+
+    def own_during(self, replica: str, window: tuple[int, int, int] | None) -> tuple[int, int]:
+        """(waiting, in flight) of ours that the replica may have counted in a scrape sent at
+        `window` and answered now: those there when it was sent plus those routed since. Our
+        counts as of the answer alone miss a request that finished meanwhile but was running
+        when the replica wrote its page: that request then reads as traffic from elsewhere, a
+        phantom load kept for stale_after_s (a test saw a lone client's prefix sent away from its
+        cache by one)."""
+        load = self._get(replica)
+        if window is None:
+            return load.waiting, load.waiting + load.decoding
+        waiting, in_flight, routed = window
+        since = max(load.routed - routed, 0)
+        return waiting + since, in_flight + since
+
+    def on_scrape(self, replica: str, scraped: ScrapedLoad, now: float,
+                  window: tuple[int, int, int] | None = None) -> None:
+        """A scrape's answer; `window`: scrape_window() as the scrape was sent."""
         load = self._get(replica)
         scraped.at_s = now
-        scraped.ours_waiting = load.waiting
-        scraped.ours_in_flight = load.waiting + load.decoding
+        scraped.ours_waiting, scraped.ours_in_flight = self.own_during(replica, window)
         load.scraped = scraped
 
     # ---- the estimate -----------------------------------------------------------------

@@ -77,6 +77,26 @@ def test_a_scrape_that_saw_our_own_requests_does_not_count_them_twice():
     assert tracker.in_flight("a", 101) == 2  # ours finished since; the scrape's copy of them is not load
 
 
+def test_a_request_that_finished_while_a_scrape_was_on_its_way_is_not_load_from_elsewhere():
+    """The replica wrote its page while our request ran; the answer came after it finished. Our
+    request was counted by the replica, so it is ours, not a phantom load for stale_after_s."""
+    tracker = LoadTracker(LoadModel(stale_after_s=10))
+    tracker.on_routed("a", prompt_tokens=100)
+    window = tracker.scrape_window("a")              # the scrape is sent
+    tracker.on_finished("a", 100, started_decoding=False)
+    tracker.on_routed("a", prompt_tokens=100)        # another of ours starts and ends meanwhile
+    tracker.on_finished("a", 100, started_decoding=False)
+    seen = parse_load_metrics(VLLM.replace("3.0", "0.0").replace("5.0", "2.0"))  # both running then
+    tracker.on_scrape("a", seen, now=100, window=window)
+    assert tracker.in_flight("a", 101) == 0
+    assert tracker.queue_delay_s("a", 101) == 0
+    # Someone else's request, in the same scrape, still counts.
+    window = tracker.scrape_window("a")
+    tracker.on_scrape("a", parse_load_metrics(VLLM.replace("3.0", "0.0").replace("5.0", "1.0")), now=102,
+                      window=window)
+    assert tracker.in_flight("a", 103) == 1
+
+
 def test_the_line_scan_reads_what_prometheus_clients_parser_reads_from_a_real_exposition():
     """parse_load_metrics scans for its few sample lines; on a page written by prometheus_client
     (label sets, a label value with braces and spaces, a longer name that starts like ours,
