@@ -24,7 +24,7 @@ block we already know and is otherwise skipped.
 """
 from __future__ import annotations
 
-from routing.hashing import ROOT_HASH, hash_block
+from routing.hashing import ROOT_HASH, block_hashes, hash_block
 from routing.prefix_table import PrefixTable
 
 _LOW_64_BITS = (1 << 64) - 1
@@ -102,8 +102,25 @@ class KVEventIndex:
                 self.orphans += len(names)
                 return
         extra_keys = getattr(event, "extra_keys", None)
+        count = min(len(names), len(tokens) // size)
+        if size == self.block_size and not (extra_keys and any(extra_keys[1:count])):
+            # The common event: our block size, no extra keys past the first block's cache_salt.
+            # One block_hashes call for the chain (~1 us a block less than a call per block).
+            salt = _salt(extra_keys[0]) if extra_keys and count and extra_keys[0] else b""
+            if salt is not None:
+                ours = block_hashes(tokens[:count * size], size, salt.decode() if salt else None, parent)
+                own, holders = self.ours, self.holders
+                for name, block in zip(names, ours):
+                    own[name] = block
+                    held = holders.get(name)
+                    if held is None or held == holder:
+                        holders[name] = holder
+                    else:
+                        self._hold(name, holder)
+                self.table.insert(self.replica, ours, guessed=False, now=now)
+                return
         ours: list[int] = []
-        for i, name in enumerate(names[:len(tokens) // size]):
+        for i, name in enumerate(names[:count]):
             salt = b""
             if extra_keys and i < len(extra_keys) and extra_keys[i]:
                 salt = _salt(extra_keys[i])
@@ -121,10 +138,17 @@ class KVEventIndex:
 
     def _removed(self, event) -> None:
         holder = _holder(event)
+        own, holders = self.ours, self.holders
         gone = []
         for name in map(block_name, event.block_hashes):
-            if name in self.ours and self._release(name, holder):
-                gone.append(self.ours.pop(name))
+            block = own.get(name)
+            if block is None:
+                continue
+            if holders.get(name) == holder:  # the common case, _release's first branch inlined
+                del holders[name], own[name]
+                gone.append(block)
+            elif self._release(name, holder):
+                gone.append(own.pop(name))
         self.table.remove(self.replica, gone)
 
     def _hold(self, name: int, holder: tuple) -> None:
