@@ -490,6 +490,7 @@ class Proxy:
         finally:
             if upstream is not None:
                 upstream.release()
+        attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
         attempt.first_token()
         self.pool.report(replica, ok=True)
         reply = _decode_json(body)

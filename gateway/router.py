@@ -29,6 +29,14 @@ from routing.prefix_table import as_block_keys
 
 log = structlog.get_logger("kvgate.router")
 
+# Observed prefill rate (Router.observe_prefill): requests with at least this many uncached
+# tokens count (shorter ones are mostly fixed costs); each moves the average this much; after this
+# many, a rate this many times off the configured one is logged, once.
+PREFILL_RATE_MIN_TOKENS = 256
+PREFILL_RATE_ALPHA = 0.2
+PREFILL_RATE_SAMPLES = 8
+PREFILL_RATE_HINT = 2.0
+
 
 def _load_model(section: RoutingSection) -> LoadModel:
     load = section.load
@@ -57,6 +65,7 @@ class Router:
         self.precise: dict[str, bool] = {}          # replica -> KV events currently trusted
         self.expect_events: dict[str, float] = {}   # replica -> since when a BlockStored is overdue
         self.learned_capacity: dict[str, int] = {}  # replica -> blocks, from its /metrics
+        self.prefill_rates: dict[str, tuple[float, int]] = {}  # replica -> (observed tokens/s, samples)
         self.apply(config)
         self._warm_up()
 
@@ -124,6 +133,26 @@ class Router:
             table.resize(replica, blocks, self.state.clock())
             log.info("replica_capacity_learned", replica=replica, capacity_blocks=blocks)
 
+    def observe_prefill(self, replica: str, uncached_tokens: int, seconds: float) -> None:
+        """One request's prefill as seen from here (routing to first token, nothing of ours queued
+        ahead of it): a moving average per replica, exported as a gauge. Once, when it settles at
+        more than PREFILL_RATE_HINT times off the configured rate either way, a log line says so:
+        the load model's queue estimates are in seconds of that rate."""
+        if seconds <= 0 or uncached_tokens <= 0:
+            return
+        sample = uncached_tokens / seconds
+        rate, samples = self.prefill_rates.get(replica, (sample, 0))
+        rate += (sample - rate) * (1.0 if samples == 0 else PREFILL_RATE_ALPHA)
+        samples += 1
+        self.prefill_rates[replica] = (rate, samples)
+        self.metrics.replica_counter(self.metrics.prefill_rate, replica).set(round(rate, 1))
+        configured = self.config.routing.load.prefill_tokens_per_s
+        if samples == PREFILL_RATE_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
+            log.info("prefill_rate_differs", replica=replica, observed_tokens_per_s=round(rate),
+                     configured_tokens_per_s=configured,
+                     hint="set routing.load.prefill_tokens_per_s to what your replicas reach: queue "
+                          "estimates are in seconds of that rate")
+
     # ---- one request ----------------------------------------------------------------------------
 
     def session_key(self, headers, user: str | None) -> str | None:
@@ -161,7 +190,7 @@ class RoutedAttempt:
     """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
     however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
     corrects approximate mode's table."""
-    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s")
+    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s", "routed_s", "prefill_sample")
 
     def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
         self.router = router
@@ -169,6 +198,11 @@ class RoutedAttempt:
         self.replica = routed.replica
         self.cached_tokens: int | None = None
         self.first_token_s: float | None = None   # perf_counter when this try's first token came
+        self.routed_s = time.perf_counter()
+        load = routed.state.tracker.replicas.get(self.replica)
+        # Its first token can time the replica's prefill (Router.observe_prefill): nothing of ours
+        # is queued ahead of it (the caller clears it when the first token is the whole answer).
+        self.prefill_sample = load is not None and load.waiting <= 1
         decision: Decision = routed.decision
         self.log = decision.as_log()
         self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
@@ -207,6 +241,9 @@ class RoutedAttempt:
         metrics.replica_in_flight(replica).dec()
         if self.cached_tokens is not None:
             metrics.replica_counter(metrics.reported_cached_tokens, replica).inc(self.cached_tokens)
+            uncached = self.routed.prompt_tokens - self.cached_tokens
+            if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:
+                router.observe_prefill(replica, uncached, self.first_token_s - self.routed_s)
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 

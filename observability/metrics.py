@@ -77,6 +77,10 @@ class GatewayMetrics:
                                          "resynchronised through its replay endpoint.", ["replica"], registry=r)
         self.kv_event_batches = Counter("kvgate_kv_event_batches", "KV event batches applied.", ["replica"],
                                         registry=r)
+        self.prefill_rate = Gauge(
+            "kvgate_replica_prefill_tokens_per_second", "Per replica: prompt tokens prefilled per second as "
+            "observed (uncached tokens / routing to first token, of requests with nothing of ours queued "
+            "ahead; moving average). Compare with routing.load.prefill_tokens_per_s.", ["replica"], registry=r)
         self.scrape_failures = Counter("kvgate_scrape_failures", "Failed /metrics scrapes of a replica.",
                                        ["replica"], registry=r)
         self.config_reloads = Counter("kvgate_config_reloads", "Routing YAML reloads, by result.", ["result"],

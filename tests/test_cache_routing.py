@@ -5,6 +5,7 @@ from the replicas' KV events, so a matched prefix in a decision can only come fr
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import time
 
@@ -191,3 +192,25 @@ def test_the_bench_targets_sglang_router_only_when_it_ran():
     ]
     without = workload_targets("chat", {"precise": runs["precise"]}, oracle_hit=0.64)
     assert without == [lines[1], lines[4]]
+
+
+def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_configured_one_is_far_off(tmp_path):
+    """Streamed and not: a request's uncached tokens over its routing-to-first-token time, averaged
+    per replica, next to the replica's own figures; the YAML's rate (100 tokens/s here) is far off
+    what a tiny replica reaches, and the log says so once."""
+    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100}\n"
+    with cluster(tmp_path, routing, replicas=1) as gateway:
+        rng = random.Random(5)
+        for i in range(8):
+            record = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], f"p-{i}", stream=i % 2 == 1)
+            assert record["cached_tokens"] == 0 and record["prompt_tokens"] == 600
+        observed = gateway_metric(gateway, "kvgate_replica_prefill_tokens_per_second", replica="r0")
+        replica_text = http("GET", gateway.replicas["r0"].url + "/metrics")[2]
+        own_ttft_s = metric(replica_text, "vllm:time_to_first_token_seconds_sum")
+        replica_rate = 8 * 600 / own_ttft_s  # the replica's own view (its TTFT from the request's arrival)
+        # Ours includes the trip to the replica, so it is a bit lower than the replica's own.
+        assert 0.2 * replica_rate < observed < 1.5 * replica_rate, (observed, replica_rate)
+        lines = [json.loads(line) for line in gateway.server.logs().splitlines()
+                 if line.startswith("{") and '"prefill_rate_differs"' in line]
+        assert len(lines) == 1 and lines[0]["replica"] == "r0" and lines[0]["configured_tokens_per_s"] == 100
+        assert lines[0]["observed_tokens_per_s"] > 1000
