@@ -142,7 +142,7 @@ class Router:
             return
         sample = uncached_tokens / seconds
         rate, samples = self.prefill_rates.get(replica, (sample, 0))
-        rate += (sample - rate) * (1.0 if samples == 0 else PREFILL_RATE_ALPHA)
+        rate += (sample - rate) * PREFILL_RATE_ALPHA  # the first sample starts the average at itself
         samples += 1
         self.prefill_rates[replica] = (rate, samples)
         self.metrics.replica_counter(self.metrics.prefill_rate, replica).set(round(rate, 1))

@@ -96,10 +96,6 @@ class Scraper(BackgroundLoop):
 
     # ---- several workers ------------------------------------------------------------------------
 
-    def _own(self, replica: str) -> tuple[int, int]:
-        load = self.router.state.tracker.replicas.get(replica)
-        return (0, 0) if load is None else (load.waiting, load.waiting + load.decoding)
-
     def _scraped_with_peers(self, replica: str, scraped: ScrapedLoad, now: float, window=None) -> None:
         own_waiting, own_in_flight = self.router.state.tracker.own_during(replica, window)
         peer_waiting, peer_in_flight = self.peers(replica)
@@ -115,7 +111,7 @@ class Scraper(BackgroundLoop):
         outside = self._outside.get(replica)
         if outside is not None and now - outside.at_s > state.tracker.model.stale_after_s:
             outside = None  # as a stale scrape: ignored
-        own_waiting, own_in_flight = self._own(replica)
+        own_waiting, own_in_flight = state.tracker.own_during(replica, None)
         peer_waiting, peer_in_flight = self.peers(replica)
         waiting = own_waiting + peer_waiting + (outside.waiting if outside else 0.0)
         in_flight = own_in_flight + peer_in_flight + (outside.in_flight if outside else 0.0)

@@ -106,17 +106,12 @@ class KVEventIndex:
         if size == self.block_size and not (extra_keys and any(extra_keys[1:count])):
             # The common event: our block size, no extra keys past the first block's cache_salt.
             # One block_hashes call for the chain (~1 us a block less than a call per block).
-            salt = _salt(extra_keys[0]) if extra_keys and count and extra_keys[0] else b""
-            if salt is not None:
-                ours = block_hashes(tokens[:count * size], size, salt.decode() if salt else None, parent)
-                own, holders = self.ours, self.holders
+            first = extra_keys[0] if extra_keys and count else None
+            if not first or _salt(first) is not None:  # no salt, or one cache_salt string
+                ours = block_hashes(tokens[:count * size], size, first[0] if first else None, parent)
                 for name, block in zip(names, ours):
-                    own[name] = block
-                    held = holders.get(name)
-                    if held is None or held == holder:
-                        holders[name] = holder
-                    else:
-                        self._hold(name, holder)
+                    self.ours[name] = block
+                    self._hold(name, holder)
                 self.table.insert(self.replica, ours, guessed=False, now=now)
                 return
         ours: list[int] = []
@@ -138,17 +133,10 @@ class KVEventIndex:
 
     def _removed(self, event) -> None:
         holder = _holder(event)
-        own, holders = self.ours, self.holders
         gone = []
         for name in map(block_name, event.block_hashes):
-            block = own.get(name)
-            if block is None:
-                continue
-            if holders.get(name) == holder:  # the common case, _release's first branch inlined
-                del holders[name], own[name]
-                gone.append(block)
-            elif self._release(name, holder):
-                gone.append(own.pop(name))
+            if name in self.ours and self._release(name, holder):
+                gone.append(self.ours.pop(name))
         self.table.remove(self.replica, gone)
 
     def _hold(self, name: int, holder: tuple) -> None:

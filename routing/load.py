@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
 # metric sample name -> field of ScrapedLoad (vLLM and SGLang spellings)
 _SCRAPED = {
     "vllm:num_requests_waiting": "waiting",
