@@ -7,6 +7,7 @@ config and drains from the parent, /metrics merged (gateway/worker_metrics.py)."
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import time
@@ -192,13 +193,30 @@ def ready_line(config: Config) -> str:
             f"{f', {workers} workers' if workers > 1 else ''})")
 
 
+# The cyclic collector, in a process that is the gateway: collect once everything startup built is
+# built and freeze it (later collections never walk it again), then collect the young generation
+# every GC_YOUNG_THRESHOLD container allocations instead of CPython's 700. A request allocates a
+# few hundred containers and frees nearly all of them by reference counting, so the default ran a
+# young collection every couple of requests: 2-5% of the gateway's CPU under load (perf).
+GC_YOUNG_THRESHOLD = 20000
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
+
+
 async def serve(config: Config, on_ready: Callable[[], None] | None = None,
                 stop: asyncio.Event | None = None, config_path: str | None = None, launcher=None,
-                admin_token: str | None = None, worker: WorkerSpec | None = None) -> None:
+                admin_token: str | None = None, worker: WorkerSpec | None = None,
+                owns_process: bool = False) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). `on_ready` runs once every replica is ready.
     Stopping drains: the listening socket closes at once, requests in flight get drain_grace_s
     to finish (aiohttp's graceful shutdown), and only then does the caller stop the replicas.
-    `worker`: one of several processes on the port (gateway/workers.py starts them)."""
+    `worker`: one of several processes on the port (gateway/workers.py starts them).
+    `owns_process`: the process is this gateway (`run`), so its collector is tuned (tune_gc)
+    once the gateway listens; never for a gateway run inside another program (tests)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -216,6 +234,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
         site = GuardedSite(runner, config.gateway.host, config.gateway.port, app["guard"], reuse_address=True,
                            reuse_port=True if link is not None else None, backlog=1024)
         await site.start()
+        if owns_process:
+            tune_gc()
         if link is not None:
             link.listening = True
         log.info("gateway_listening", host=config.gateway.host, port=config.gateway.port,
@@ -248,7 +268,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
 def run(config: Config, on_ready: Callable[[], None] | None = None, config_path: str | None = None,
         launcher=None, admin_token: str | None = None, worker: WorkerSpec | None = None) -> int:
     main = serve(config, on_ready, config_path=config_path, launcher=launcher, admin_token=admin_token,
-                 worker=worker)
+                 worker=worker, owns_process=True)
     try:
         import uvloop
     except ImportError:  # not on Windows; asyncio's loop works, slower
