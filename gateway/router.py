@@ -31,10 +31,13 @@ log = structlog.get_logger("kvgate.router")
 
 # Observed prefill rate (Router.observe_prefill): requests with at least this many uncached
 # tokens count (shorter ones are mostly fixed costs); each moves the average this much; after this
-# many, a rate this many times off the configured one is logged, once.
+# many, the load model uses a model's average (routing.load.learn_prefill_rate), adopting a new
+# value when it moved by more than PREFILL_RATE_REFRESH of the one in use; with learning off, a
+# replica's rate this many times off the configured one is logged, once.
 PREFILL_RATE_MIN_TOKENS = 256
 PREFILL_RATE_ALPHA = 0.2
 PREFILL_RATE_SAMPLES = 8
+PREFILL_RATE_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
 
 
@@ -66,6 +69,8 @@ class Router:
         self.expect_events: dict[str, float] = {}   # replica -> since when a BlockStored is overdue
         self.learned_capacity: dict[str, int] = {}  # replica -> blocks, from its /metrics
         self.prefill_rates: dict[str, tuple[float, int]] = {}  # replica -> (observed tokens/s, samples)
+        self.model_prefill_rates: dict[str, tuple[float, int]] = {}  # model -> (observed tokens/s, samples)
+        self.adopted_prefill_rates: dict[str, float] = {}  # model -> the rate its replicas' queues use
         self.apply(config)
         self._warm_up()
 
@@ -115,6 +120,11 @@ class Router:
             if spec.name not in policy_state.model_of:
                 policy_state.add_replica(spec.name, spec.model, self._capacity(spec, routing))
         self.state, self.policy, self.config = policy_state, policy, config
+        if not routing.load.learn_prefill_rate:
+            self.adopted_prefill_rates.clear()
+        tracker = policy_state.tracker
+        for spec in config.replicas:  # a new or rebuilt state, a replica added: the rates learned so far
+            tracker.set_prefill_rate(spec.name, self.adopted_prefill_rates.get(spec.model))
 
     def _capacity(self, spec, routing: RoutingSection) -> int:
         return spec.capacity_blocks or self.learned_capacity.get(spec.name) or routing.default_capacity_blocks
@@ -135,23 +145,44 @@ class Router:
 
     def observe_prefill(self, replica: str, uncached_tokens: int, seconds: float) -> None:
         """One request's prefill as seen from here (routing to first token, nothing of ours queued
-        ahead of it): a moving average per replica, exported as a gauge. Once, when it settles at
-        more than PREFILL_RATE_HINT times off the configured rate either way, a log line says so:
-        the load model's queue estimates are in seconds of that rate."""
+        ahead of it): a moving average per replica, exported as a gauge, and one per model.
+
+        The load model's queue estimates and the cache's worth are in seconds of a prefill rate.
+        With routing.load.learn_prefill_rate (the default) the model's average becomes that rate
+        for all its replicas once it has PREFILL_RATE_SAMPLES samples (one rate per model: the
+        candidates of a decision share it, so their scores stay comparable), logged the first
+        time. Without it, a log line says once when a replica's average settles more than
+        PREFILL_RATE_HINT times off the configured rate."""
         if seconds <= 0 or uncached_tokens <= 0:
             return
         sample = uncached_tokens / seconds
-        rate, samples = self.prefill_rates.get(replica, (sample, 0))
-        rate += (sample - rate) * PREFILL_RATE_ALPHA  # the first sample starts the average at itself
-        samples += 1
-        self.prefill_rates[replica] = (rate, samples)
+        rate, samples = _averaged(self.prefill_rates, replica, sample)
         self.metrics.replica_counter(self.metrics.prefill_rate, replica).set(round(rate, 1))
-        configured = self.config.routing.load.prefill_tokens_per_s
-        if samples == PREFILL_RATE_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
-            log.info("prefill_rate_differs", replica=replica, observed_tokens_per_s=round(rate),
-                     configured_tokens_per_s=configured,
-                     hint="set routing.load.prefill_tokens_per_s to what your replicas reach: queue "
-                          "estimates are in seconds of that rate")
+        load = self.config.routing.load
+        configured = load.prefill_tokens_per_s
+        if not load.learn_prefill_rate:
+            if samples == PREFILL_RATE_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
+                log.info("prefill_rate_differs", replica=replica, observed_tokens_per_s=round(rate),
+                         configured_tokens_per_s=configured,
+                         hint="set routing.load.prefill_tokens_per_s to what your replicas reach (or "
+                              "learn_prefill_rate: true): queue estimates are in seconds of that rate")
+            return
+        model = self.state.model_of.get(replica)
+        if model is None:
+            return
+        rate, samples = _averaged(self.model_prefill_rates, model, sample)
+        adopted = self.adopted_prefill_rates.get(model)
+        if samples < PREFILL_RATE_SAMPLES or (adopted is not None and abs(rate / adopted - 1) <= PREFILL_RATE_REFRESH):
+            return
+        if adopted is None:
+            log.info("prefill_rate_learned", model=model, tokens_per_s=round(rate), samples=samples,
+                     configured_tokens_per_s=configured)
+        self.adopted_prefill_rates[model] = rate
+        self.metrics.routing_prefill_rate.labels(model=model).set(round(rate, 1))
+        tracker = self.state.tracker
+        for name, of in self.state.model_of.items():
+            if of == model:
+                tracker.set_prefill_rate(name, rate)
 
     # ---- one request ----------------------------------------------------------------------------
 
@@ -259,3 +290,11 @@ def _estimates_log(state: RoutingState, candidates: list[str]) -> dict:
                      "decoding": load.decoding, "in_flight": int(in_flight),
                      "queue_delay_ms": round(delay_s * 1000, 3), "scraped_fresh": now - load.scraped.at_s <= stale_after_s}
     return out
+
+
+def _averaged(averages: dict[str, tuple[float, int]], key: str, sample: float) -> tuple[float, int]:
+    """Move `key`'s moving average (PREFILL_RATE_ALPHA) by one sample; the first starts it at itself."""
+    rate, samples = averages.get(key, (sample, 0))
+    rate += (sample - rate) * PREFILL_RATE_ALPHA
+    averages[key] = (rate, samples + 1)
+    return rate, samples + 1

@@ -81,6 +81,10 @@ class GatewayMetrics:
             "kvgate_replica_prefill_tokens_per_second", "Per replica: prompt tokens prefilled per second as "
             "observed (uncached tokens / routing to first token, of requests with nothing of ours queued "
             "ahead; moving average). Compare with routing.load.prefill_tokens_per_s.", ["replica"], registry=r)
+        self.routing_prefill_rate = Gauge(
+            "kvgate_routing_prefill_tokens_per_second", "Per model: the prefill rate routing's load model uses "
+            "for its replicas, learned from their requests (routing.load.learn_prefill_rate); absent until "
+            "learned (then routing.load.prefill_tokens_per_s applies).", ["model"], registry=r)
         self.scrape_failures = Counter("kvgate_scrape_failures", "Failed /metrics scrapes of a replica.",
                                        ["replica"], registry=r)
         self.config_reloads = Counter("kvgate_config_reloads", "Routing YAML reloads, by result.", ["result"],

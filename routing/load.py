@@ -80,7 +80,7 @@ class LoadModel:
 class ReplicaLoad:
     waiting: int = 0                 # routed, no first token yet
     pending_prefill_tokens: int = 0  # uncached prompt tokens of those
-    # The same work as a fluid queue the replica drains at prefill_tokens_per_s since backlog_at:
+    # The same work as a fluid queue the replica drains at its prefill rate since backlog_at:
     # a request routed 100 ms ago is 100 ms into its prefill (or the one before it is), so what is
     # left ahead of a new request is the smaller of the two (see queue_delay_s).
     backlog_tokens: float = 0.0
@@ -88,6 +88,9 @@ class ReplicaLoad:
     decoding: int = 0                # streaming sequences
     routed: int = 0                  # requests ever routed here (a scrape's window counts them)
     decoding_context_tokens: int = 0
+    # tokens/s this replica prefills as learned from its requests (the gateway's Router sets one
+    # rate for every replica of a model); None: the model's configured prefill_tokens_per_s
+    prefill_tokens_per_s: float | None = None
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     # ticket -> block hashes of our requests in flight here: what the balance guard asks when a
     # prompt would follow this replica's cache ("is that cached prefix already running here?")
@@ -126,6 +129,18 @@ class LoadTracker:
 
     def remove_replica(self, replica: str) -> None:
         self.replicas.pop(replica, None)
+
+    def prefill_rate(self, replica: str) -> float:
+        """Tokens/s `replica` is taken to prefill: the learned rate if one was set, else the model's."""
+        load = self.replicas.get(replica)
+        return (load.prefill_tokens_per_s if load is not None else None) or self.model.prefill_tokens_per_s
+
+    def set_prefill_rate(self, replica: str, tokens_per_s: float | None) -> None:
+        """Use `tokens_per_s` for `replica`'s queue (None: back to the model's rate). The backlog
+        drained so far is folded in at the old rate first."""
+        load = self._get(replica)
+        self._drain(load)
+        load.prefill_tokens_per_s = tokens_per_s
 
     # ---- the gateway's own accounting -------------------------------------------------
     def on_routed(self, replica: str, prompt_tokens: int, cached_tokens: int = 0,
@@ -167,10 +182,10 @@ class LoadTracker:
             load.running_prompts.pop(ticket, None)
 
     def _drain(self, load: ReplicaLoad) -> None:
-        """Fold the prefill done since backlog_at into the backlog (at the configured rate)."""
+        """Fold the prefill done since backlog_at into the backlog (at the replica's rate)."""
         now = self.clock()
         if now > load.backlog_at:
-            load.backlog_tokens = _backlog_left(load, now, self.model.prefill_tokens_per_s)
+            load.backlog_tokens = _backlog_left(load, now, load.prefill_tokens_per_s or self.model.prefill_tokens_per_s)
             load.backlog_at = now
 
     def own_in_flight(self, replica: str) -> int:
@@ -226,7 +241,7 @@ class LoadTracker:
         """Seconds a new request waits before its own prefill starts: the uncached prefill
         ahead of it plus one decode step per pending token-step of the running batch. The prefill
         ahead is what the requests without a first token still need, less what the replica has
-        done since they were routed (at prefill_tokens_per_s): a 2,000-token prompt routed
+        done since they were routed (at its prefill rate): a 2,000-token prompt routed
         200 ms ago is not 250 ms of work ahead any more."""
         return self.loads_and_delays((replica,), now)[1][0]
 
@@ -234,13 +249,14 @@ class LoadTracker:
         """(in_flight, queue_delay_s) of each replica, in one pass: a policy's per-decision loop
         over its candidates (plain attribute reads and arithmetic, ~0.5 us a replica)."""
         m = self.model
-        stale_after_s, tokens_per_s = m.stale_after_s, m.prefill_tokens_per_s
+        stale_after_s, configured_rate = m.stale_after_s, m.prefill_tokens_per_s
         step_base_s, step_per_seq_s = m.decode_step_base_s, m.decode_step_s_per_seq
         get = self.replicas.get
         loads: list[float] = []
         delays: list[float] = []
         for replica in replicas:
             load = get(replica) or self._get(replica)
+            tokens_per_s = load.prefill_tokens_per_s or configured_rate
             pending_tokens = load.pending_prefill_tokens
             if pending_tokens:
                 pending_tokens = min(pending_tokens, _backlog_left(load, now, tokens_per_s))

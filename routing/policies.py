@@ -191,7 +191,7 @@ class CacheAwareDecision:
 
 
 class CacheAware:
-    """score(r) = prefill_weight * uncached_tokens(r) / prefill_tokens_per_s
+    """score(r) = prefill_weight * uncached_tokens(r) / prefill rate (LoadTracker.prefill_rate)
                 + queue_weight * queue_delay_s(r), in seconds; lowest wins among the replicas
     the balance guard allows.
 
@@ -280,7 +280,9 @@ class CacheAware:
             # in front of a new conversation), and a small part of this prompt: it does not steer;
             # load and cache room decide (see the class doc).
             min_match = n_blocks + 1
-        per_token_s = self.prefill_weight / tracker.model.prefill_tokens_per_s
+        # The candidates serve one model, which the gateway gives one prefill rate: scores stay
+        # comparable (and ties exact) across them.
+        per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
         queue_weight = self.queue_weight
         # Balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1).
         mean_after = (sum(loads) + 1) / len(loads)

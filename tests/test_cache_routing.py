@@ -197,8 +197,8 @@ def test_the_bench_targets_sglang_router_only_when_it_ran():
 def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_configured_one_is_far_off(tmp_path):
     """Streamed and not: a request's uncached tokens over its routing-to-first-token time, averaged
     per replica, next to the replica's own figures; the YAML's rate (100 tokens/s here) is far off
-    what a tiny replica reaches, and the log says so once."""
-    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100}\n"
+    what a tiny replica reaches, and with learning off the log says so once."""
+    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100, learn_prefill_rate: false}\n"
     with cluster(tmp_path, routing, replicas=1) as gateway:
         rng = random.Random(5)
         for i in range(8):
@@ -214,3 +214,33 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
                  if line.startswith("{") and '"prefill_rate_differs"' in line]
         assert len(lines) == 1 and lines[0]["replica"] == "r0" and lines[0]["configured_tokens_per_s"] == 100
         assert lines[0]["observed_tokens_per_s"] > 1000
+        assert '"prefill_rate_learned"' not in gateway.server.logs()
+        later = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "later")
+        assert later["routing"]["scores"]["r0"] == 6.0  # still 600 uncached tokens at 100 tokens/s
+
+
+def test_the_gateway_learns_the_prefill_rate_and_routes_in_seconds_of_it(tmp_path):
+    """The YAML's rate (100 tokens/s) is 100x too slow for a tiny replica: a decision then prices an
+    uncached 600-token prompt at 6 s, and queueing behind a pending prompt as much. After 8 requests
+    (streamed and not, over both replicas) the gateway uses the rate it measured for the model: it
+    says so once, exports it, and the next decisions' scores are in seconds of it."""
+    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100}\n"
+    with cluster(tmp_path, routing, replicas=2) as gateway:
+        rng = random.Random(11)
+        first = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "p-0")
+        assert first["routing"]["scores"] == {"r0": 6.0, "r1": 6.0}
+        for i in range(1, 8):
+            complete(gateway, [rng.randrange(10, 250) for _ in range(600)], f"p-{i}", stream=i % 2 == 1)
+        lines = poll(lambda: [json.loads(line) for line in gateway.server.logs().splitlines()
+                              if line.startswith("{") and '"prefill_rate_learned"' in line],
+                     "prefill_rate_learned", gateway.server)
+        assert len(lines) == 1 and lines[0]["model"] == "tiny" and lines[0]["configured_tokens_per_s"] == 100
+        learned = lines[0]["tokens_per_s"]
+        assert learned > 1000
+        used = gateway_metric(gateway, "kvgate_routing_prefill_tokens_per_second", model="tiny")
+        assert abs(used - learned) <= 0.1 * learned  # the same, or a refresh since
+        later = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "later")
+        scores = later["routing"]["scores"]
+        assert scores["r0"] == scores["r1"]  # one rate per model: the replicas' scores stay comparable
+        assert abs(scores["r0"] - 600 / used) <= 0.002 + 0.01 * scores["r0"], (scores, used)
+        assert '"prefill_rate_differs"' not in gateway.server.logs()

@@ -57,6 +57,22 @@ def test_the_prefill_ahead_drains_while_the_replica_works_on_it():
     assert tracker.queue_delay_s("a", 1.7) == 0 and tracker.in_flight("a", 1.7) == 0
 
 
+def test_a_learned_prefill_rate_applies_to_its_replica_and_drains_the_backlog_at_that_rate():
+    now = [0.0]
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000, decode_step_base_s=0, decode_step_s_per_seq=0),
+                          clock=lambda: now[0])
+    for replica in ("a", "b"):
+        tracker.on_routed(replica, prompt_tokens=2000)
+    now[0] = 0.5  # half a second at the configured rate: 1500 tokens left on each
+    tracker.set_prefill_rate("a", 4000.0)
+    assert tracker.prefill_rate("a") == 4000.0 and tracker.prefill_rate("b") == 1000.0
+    assert abs(tracker.queue_delay_s("a", 0.5) - 1500 / 4000) < 1e-9
+    assert abs(tracker.queue_delay_s("b", 0.5) - 1.5) < 1e-9
+    assert abs(tracker.queue_delay_s("a", 0.6) - 1100 / 4000) < 1e-9  # drains at the new rate from now on
+    tracker.set_prefill_rate("a", None)
+    assert tracker.prefill_rate("a") == 1000.0
+
+
 def test_scraped_load_counts_until_stale():
     tracker = LoadTracker(LoadModel(stale_after_s=10))
     tracker.on_scrape("a", parse_load_metrics(VLLM), now=100)
