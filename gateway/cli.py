@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--startup-timeout-s", type=float, default=None,
                     help="how long each replica may take to load before kvgate gives up (default: "
                          "600 s for kvgate's own, 3600 s for vLLM and SGLang, which may download weights first)")
+    up.add_argument("--replica-logs", default=None, metavar="DIR",
+                    help="write each replica's output to DIR/<name>.log and keep it (default: a temporary "
+                         "directory, removed when kvgate stops cleanly and kept when a replica failed)")
     serve = sub.add_parser("serve", help="run the gateway alone in front of the replicas in a config")
     serve.add_argument("--config", required=True, help="routing YAML")
     sub.add_parser("replica", help="run one built-in replica (see `kvgate replica --help`)", add_help=False)
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "up":
-        return _up(args.config or DEFAULT_CONFIG, args.startup_timeout_s)
+        return _up(args.config or DEFAULT_CONFIG, args.startup_timeout_s, args.replica_logs)
     return 2
 
 
@@ -151,7 +154,7 @@ def _admin_token() -> str | None:
     return os.environ.get("KVGATE_ADMIN_TOKEN") or None
 
 
-def _up(path: str | Path, startup_timeout_s: float | None) -> int:
+def _up(path: str | Path, startup_timeout_s: float | None, replica_logs: str | None = None) -> int:
     config = _load(path)
     if isinstance(config, int):
         return config
@@ -160,7 +163,11 @@ def _up(path: str | Path, startup_timeout_s: float | None) -> int:
     started, log_file = _start_logging(config)
     if not started:
         return EXIT_BAD_CONFIG
-    launcher = Launcher(config)
+    try:
+        launcher = Launcher(config, Path(replica_logs) if replica_logs else None)
+    except OSError as exc:
+        print(f"error: --replica-logs {replica_logs}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
 
     def interrupt(_signum, _frame):  # SIGTERM while replicas load: same orderly stop as Ctrl-C
         raise KeyboardInterrupt
@@ -186,7 +193,8 @@ def _up(path: str | Path, startup_timeout_s: float | None) -> int:
 
 def _wait_with_progress(launcher, timeout_s: float | None) -> None:
     names = ", ".join(r.spec.name for r in launcher.replicas)
-    print(f"kvgate: starting {len(launcher.replicas)} replica(s): {names} (logs in {launcher.log_dir})",
+    kept = "" if not launcher.temporary_logs else "; removed at a clean exit, --replica-logs DIR keeps them"
+    print(f"kvgate: starting {len(launcher.replicas)} replica(s): {names} (logs in {launcher.log_dir}{kept})",
           file=sys.stderr, flush=True)
     for replica in launcher.replicas:
         if replica.spec.engine_name != "kvgate":  # say what runs: the user may need to run it by hand

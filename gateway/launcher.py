@@ -1,10 +1,16 @@
 """`kvgate up`: start a server process for every config entry with a `launch` block (kvgate's own
 replica, vLLM or SGLang: gateway/engines.py builds each command), wait for each to answer /health
 (bounded, per engine: real engines take minutes to load), and stop them all, children included,
-on the way out. While the gateway serves, gateway/supervisor.py restarts the ones that exit."""
+on the way out. While the gateway serves, gateway/supervisor.py restarts the ones that exit.
+
+Each replica's output goes to `<log dir>/<name>.log`. Without a log dir given (`kvgate up
+--replica-logs DIR` keeps them there), the launcher makes a temporary one and removes it at a
+clean exit: every replica stopped by us, none having died, failed to load or exited with an
+error on the way. Otherwise the logs are kept, and `stop` says where."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,8 +68,13 @@ def die_with_parent() -> None:
 class Launcher:
     def __init__(self, config: Config, log_dir: Path | None = None) -> None:
         self.config = config
+        self.temporary_logs = log_dir is None  # ours to remove at a clean exit
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-replicas-"))
         self.replicas: list[LaunchedReplica] = []
+        self.trouble: str | None = None  # why the logs are worth keeping (a replica died, failed to load)
+        self._launched: set[str] = set()
 
     def start(self) -> None:
         for spec in self.config.replicas:
@@ -76,6 +87,9 @@ class Launcher:
     def launch(self, spec: ReplicaSpec) -> LaunchedReplica:
         """Start (or restart: its output is appended to the same log) one replica process."""
         log_path = self.log_dir / f"{spec.name}.log"
+        if spec.name in self._launched:
+            self.trouble = self.trouble or f"{spec.name} was restarted"
+        self._launched.add(spec.name)
         command = self.command(spec)
         with open(log_path, "ab") as log_file:
             log_file.write(f"kvgate: starting {spec.name}: {command.shell()}\n".encode())
@@ -97,6 +111,7 @@ class Launcher:
             for replica in list(waiting):
                 code = replica.proc.poll()
                 if code is not None:
+                    self.trouble = f"{replica.spec.name} exited while loading"
                     raise LaunchError(f"replica {replica.spec.name} exited with code {code} while loading; "
                                       f"last output ({replica.log_path}):\n{replica.output_tail()}")
                 if _healthy(replica.spec.url):
@@ -107,6 +122,7 @@ class Launcher:
             late = [r for r in waiting if elapsed_s > (timeout_s or startup_timeout_s(r.spec))]
             if late:
                 names = ", ".join(r.spec.name for r in late)
+                self.trouble = f"{names} not healthy in time"
                 tails = "\n".join(f"--- {r.spec.name} ({r.log_path}):\n{r.output_tail()}" for r in late)
                 raise LaunchError(f"replica(s) {names} not healthy after {elapsed_s:.0f} s "
                                   f"(--startup-timeout-s)\n{tails}")
@@ -115,12 +131,26 @@ class Launcher:
             time.sleep(0.25)  # a separate process: polling /health is the only signal it gives
 
     def stop(self) -> None:
+        """Stop every replica; then remove a temporary log dir if all went well, else say where the
+        logs are (stderr)."""
+        running = []
         for replica in self.replicas:
             if replica.proc.poll() is None:
                 replica.proc.send_signal(signal.SIGTERM)
+                running.append(replica)
+            elif self.trouble is None:
+                self.trouble = f"{replica.spec.name} had exited (code {replica.proc.returncode})"
         deadline = time.monotonic() + STOP_GRACE_S
         for replica in self.replicas:
             stop_process(replica, deadline)
+        for replica in running:
+            # 0, or killed by the SIGTERM itself: what a replica stopped by us exits with
+            if replica.proc.returncode not in (0, -signal.SIGTERM) and self.trouble is None:
+                self.trouble = f"{replica.spec.name} exited with code {replica.proc.returncode} when stopped"
+        if self.trouble is not None:
+            print(f"kvgate: replica logs kept in {self.log_dir} ({self.trouble})", file=sys.stderr, flush=True)
+        elif self.temporary_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def stop_process(replica: LaunchedReplica, deadline_s: float) -> None:

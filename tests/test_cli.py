@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 
@@ -44,10 +46,15 @@ def test_up_launches_replicas_serves_and_stops_them_on_sigterm(tmp_path):
         with urllib.request.urlopen(request, timeout=30) as response:
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 3 and answer["model"] == "tiny-served"
+        output = log_path.read_text(errors="replace")
+        logs_dir = Path(re.search(r"\(logs in (\S+); removed at a clean exit", output).group(1))
+        assert sorted(p.name for p in logs_dir.iterdir()) == ["t0.log", "t1.log"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, f"replicas left running: {alive}"
+        assert not logs_dir.exists()  # a clean exit leaves no temporary replica logs behind
+        assert "replica logs kept" not in log_path.read_text(errors="replace")
     finally:
         stop_process(proc)
         for child in children:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -255,7 +258,9 @@ def test_kvgate_up_serves_through_vllm_and_sglang_stand_ins_and_restarts_a_kille
                            + f"logging: {{format: json}}\nrouting: {{policy: round_robin, block_size: {block_size}}}\n"
                            + f"replicas:\n{replicas}")
     config = parse_config(config_path.read_text())
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path)]
+    # a replica is killed here, so its logs are kept: in tmp_path, not a temporary directory of their own
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path), "--replica-logs",
+            str(tmp_path / "replica-logs")]
     children = []
     with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up",
                      startup_timeout_s=120) as server:
@@ -313,8 +318,17 @@ def test_kvgate_up_says_why_a_server_refused_its_command(tmp_path, tiny_dir):
     assert "replica v exited with code 2 while loading" in result.stderr
     assert "vllm serve: error: unrecognized arguments: --no-such-flag" in result.stderr
     assert "kvgate: v: " in result.stderr and "serve " in result.stderr  # the command it ran, for a rerun by hand
+    # A failure keeps the temporary logs, and says where.
+    kept = re.search(r"replica logs kept in (\S+) \(v exited while loading\)", result.stderr)
+    assert kept and "--no-such-flag" in (Path(kept.group(1)) / "v.log").read_text()
+    shutil.rmtree(kept.group(1))
+    # --replica-logs DIR: there, and kept.
+    chosen = tmp_path / "logs" / "here"
+    result = run_up(config_path, "--replica-logs", str(chosen))
+    assert result.returncode == 1 and f"logs in {chosen})" in result.stderr
+    assert "--no-such-flag" in (chosen / "v.log").read_text()
 
 
-def run_up(config_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path)], cwd=REPO_ROOT,
+def run_up(config_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path), *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)

@@ -87,7 +87,8 @@ def kvgate_up(tmp_path, replicas: int = 2, policy: str = "round_robin"):
     names = [f"r{i}" for i in range(replicas)]
     config = tmp_path / "up.yaml"
     config.write_text(up_config(port, names, policy))
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config)]
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config), "--replica-logs",
+            str(tmp_path / "replica-logs")]  # replicas die here: their logs are kept, in tmp_path
     with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up",
                      startup_timeout_s=120) as server:
         up = Up(server, names)

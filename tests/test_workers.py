@@ -455,7 +455,8 @@ def test_kvgate_up_with_workers_launches_each_replica_once_and_restarts_it_once(
         f"    tokenizer: {tiny_dir}\n"
         f"    launch:\n      model: {tiny_dir}\n      executable: {json.dumps(FAKE)}\n"
         f"      env: {{FAKE_ENGINE_RECORD: '{record}'}}\n")
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config)]
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--config", str(config), "--replica-logs",
+            str(tmp_path / "replica-logs")]  # one is restarted: its logs are kept, in tmp_path
     with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="kvgate-up") as server:
         poll(lambda: "kvgate ready:" in server.logs(), "the ready line", server, timeout_s=60)
         gw = Gateway(server, config, tmp_path / "none")
