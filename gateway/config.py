@@ -138,11 +138,11 @@ class LimitsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class LoadModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the load tracker turns tokens into seconds (routing.load.LoadModel)."""
     prefill_tokens_per_s: PositiveSeconds = 8000.0
-    # Measure each model's prefill rate from its requests (gateway/router.py) and use that once
-    # it has PREFILL_RATE_SAMPLES samples; prefill_tokens_per_s is then only the starting value.
-    learn_prefill_rate: bool = True
     decode_step_s_per_seq: NonNegative = 0.002
     decode_step_base_s: NonNegative = 0.010
+    # Measure each model's prefill rate and decode step from its requests (gateway/router.py) and
+    # use those once each has 8 samples: the three values above are then only where it starts.
+    learn: bool = True
     stale_after_s: PositiveSeconds = 10.0
 
 

@@ -251,6 +251,9 @@ class Proxy:
                 try:
                     if plan.streamed_upstream:
                         await self._try_stream(exchange, replica, endpoint, payload, plan, answer, attempt)
+                        if not failed and record.first_token_s is not None:  # all of the answer came from this try
+                            attempt.decode_sample = (len(record.output_token_ids) - 1,
+                                                     record.last_token_s - record.first_token_s)
                     else:
                         return await self._try_json(replica, payload, plan, answer, attempt)
                     self.pool.report(replica, ok=True)

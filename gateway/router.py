@@ -30,14 +30,16 @@ from routing.prefix_table import as_block_keys
 log = structlog.get_logger("kvgate.router")
 
 # Observed prefill rate (Router.observe_prefill): requests with at least this many uncached
-# tokens count (shorter ones are mostly fixed costs); each moves the average this much; after this
-# many, the load model uses a model's average (routing.load.learn_prefill_rate), adopting a new
-# value when it moved by more than PREFILL_RATE_REFRESH of the one in use; with learning off, a
-# replica's rate this many times off the configured one is logged, once.
+# tokens count (shorter ones are mostly fixed costs). Observed decode step (observe_decode):
+# streams of at least DECODE_MIN_TOKENS tokens count. Each sample moves a moving average this
+# much; after this many, the load model uses a model's averages (routing.load.learn), adopting a
+# new value when it moved by more than LEARNED_REFRESH of the one in use; with learning off, a
+# replica's prefill rate this many times off the configured one is logged, once.
 PREFILL_RATE_MIN_TOKENS = 256
+DECODE_MIN_TOKENS = 5
 PREFILL_RATE_ALPHA = 0.2
 PREFILL_RATE_SAMPLES = 8
-PREFILL_RATE_REFRESH = 0.1
+LEARNED_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
 
 
@@ -71,6 +73,9 @@ class Router:
         self.prefill_rates: dict[str, tuple[float, int]] = {}  # replica -> (observed tokens/s, samples)
         self.model_prefill_rates: dict[str, tuple[float, int]] = {}  # model -> (observed tokens/s, samples)
         self.adopted_prefill_rates: dict[str, float] = {}  # model -> the rate its replicas' queues use
+        # model -> (observed token interval / the configured decode step for the batch, samples)
+        self.model_decode_scales: dict[str, tuple[float, int]] = {}
+        self.adopted_decode_scales: dict[str, float] = {}  # model -> the scale its replicas' decode steps use
         self.apply(config)
         self._warm_up()
 
@@ -120,11 +125,13 @@ class Router:
             if spec.name not in policy_state.model_of:
                 policy_state.add_replica(spec.name, spec.model, self._capacity(spec, routing))
         self.state, self.policy, self.config = policy_state, policy, config
-        if not routing.load.learn_prefill_rate:
+        if not routing.load.learn:
             self.adopted_prefill_rates.clear()
+            self.adopted_decode_scales.clear()
         tracker = policy_state.tracker
-        for spec in config.replicas:  # a new or rebuilt state, a replica added: the rates learned so far
+        for spec in config.replicas:  # a new or rebuilt state, a replica added: what was learned so far
             tracker.set_prefill_rate(spec.name, self.adopted_prefill_rates.get(spec.model))
+            tracker.set_decode_step_scale(spec.name, self.adopted_decode_scales.get(spec.model))
 
     def _capacity(self, spec, routing: RoutingSection) -> int:
         return spec.capacity_blocks or self.learned_capacity.get(spec.name) or routing.default_capacity_blocks
@@ -148,11 +155,11 @@ class Router:
         ahead of it): a moving average per replica, exported as a gauge, and one per model.
 
         The load model's queue estimates and the cache's worth are in seconds of a prefill rate.
-        With routing.load.learn_prefill_rate (the default) the model's average becomes that rate
-        for all its replicas once it has PREFILL_RATE_SAMPLES samples (one rate per model: the
-        candidates of a decision share it, so their scores stay comparable), logged the first
-        time. Without it, a log line says once when a replica's average settles more than
-        PREFILL_RATE_HINT times off the configured rate."""
+        With routing.load.learn (the default) the model's average becomes that rate for all its
+        replicas once it has PREFILL_RATE_SAMPLES samples (one rate per model: the candidates of a
+        decision share it, so their scores stay comparable), logged the first time. Without it, a
+        log line says once when a replica's average settles more than PREFILL_RATE_HINT times off
+        the configured rate."""
         if seconds <= 0 or uncached_tokens <= 0:
             return
         sample = uncached_tokens / seconds
@@ -160,29 +167,68 @@ class Router:
         self.metrics.replica_counter(self.metrics.prefill_rate, replica).set(round(rate, 1))
         load = self.config.routing.load
         configured = load.prefill_tokens_per_s
-        if not load.learn_prefill_rate:
+        if not load.learn:
             if samples == PREFILL_RATE_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
                 log.info("prefill_rate_differs", replica=replica, observed_tokens_per_s=round(rate),
                          configured_tokens_per_s=configured,
                          hint="set routing.load.prefill_tokens_per_s to what your replicas reach (or "
-                              "learn_prefill_rate: true): queue estimates are in seconds of that rate")
+                              "learn: true): queue estimates are in seconds of that rate")
             return
-        model = self.state.model_of.get(replica)
+        model, first = self._learned(self.model_prefill_rates, self.adopted_prefill_rates, replica, sample)
         if model is None:
             return
-        rate, samples = _averaged(self.model_prefill_rates, model, sample)
-        adopted = self.adopted_prefill_rates.get(model)
-        if samples < PREFILL_RATE_SAMPLES or (adopted is not None and abs(rate / adopted - 1) <= PREFILL_RATE_REFRESH):
-            return
-        if adopted is None:
-            log.info("prefill_rate_learned", model=model, tokens_per_s=round(rate), samples=samples,
-                     configured_tokens_per_s=configured)
-        self.adopted_prefill_rates[model] = rate
+        rate = self.adopted_prefill_rates[model]
         self.metrics.routing_prefill_rate.labels(model=model).set(round(rate, 1))
         tracker = self.state.tracker
-        for name, of in self.state.model_of.items():
-            if of == model:
-                tracker.set_prefill_rate(name, rate)
+        for name in self._replicas_of(model):
+            tracker.set_prefill_rate(name, rate)
+        if first:
+            log.info("prefill_rate_learned", model=model, tokens_per_s=round(rate),
+                     samples=self.model_prefill_rates[model][1], configured_tokens_per_s=configured)
+
+    def observe_decode(self, replica: str, batch: int, tokens: int, seconds: float) -> None:
+        """One stream's decode as seen from here: `tokens` after its first in `seconds`, with
+        `batch` sequences of ours decoding there when it started. Its mean token interval over the
+        step the load model assumes for that batch (decode_step_base_s + decode_step_s_per_seq x
+        batch) is one sample of the model's scale; with routing.load.learn, once the average has
+        PREFILL_RATE_SAMPLES samples it scales that model's decode steps in the queue estimates
+        (logged the first time, exported as kvgate_routing_decode_step_seconds{model}: one step of
+        a batch of one)."""
+        load = self.config.routing.load
+        predicted = load.decode_step_base_s + load.decode_step_s_per_seq * max(batch, 1)
+        if not load.learn or seconds <= 0 or tokens < 1 or predicted <= 0:
+            return  # (a stream whose tokens all came in one read times nothing)
+        model, first = self._learned(self.model_decode_scales, self.adopted_decode_scales, replica,
+                                     seconds / tokens / predicted)
+        if model is None:
+            return
+        scale = self.adopted_decode_scales[model]
+        tracker = self.state.tracker
+        for name in self._replicas_of(model):
+            tracker.set_decode_step_scale(name, scale)
+        step_s = (load.decode_step_base_s + load.decode_step_s_per_seq) * scale
+        self.metrics.routing_decode_step.labels(model=model).set(round(step_s, 6))
+        if first:
+            log.info("decode_step_learned", model=model, step_ms=round(step_s * 1000, 3),
+                     configured_step_ms=round((load.decode_step_base_s + load.decode_step_s_per_seq) * 1000, 3),
+                     samples=self.model_decode_scales[model][1])
+
+    def _learned(self, averages: dict, adopted: dict, replica: str, sample: float) -> tuple[str | None, bool]:
+        """Fold one sample into its model's average. (model, whether it is the first value) when
+        the average is now to be adopted (enough samples, and new or moved by more than
+        LEARNED_REFRESH of the one in use), else (None, False)."""
+        model = self.state.model_of.get(replica)
+        if model is None:
+            return None, False
+        value, samples = _averaged(averages, model, sample)
+        current = adopted.get(model)
+        if samples < PREFILL_RATE_SAMPLES or (current is not None and abs(value / current - 1) <= LEARNED_REFRESH):
+            return None, False
+        adopted[model] = value
+        return model, current is None
+
+    def _replicas_of(self, model: str) -> list[str]:
+        return [name for name, of in self.state.model_of.items() if of == model]
 
     # ---- one request ----------------------------------------------------------------------------
 
@@ -221,7 +267,8 @@ class RoutedAttempt:
     """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
     however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
     corrects approximate mode's table."""
-    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s", "routed_s", "prefill_sample")
+    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
+                 "batch", "decode_sample")
 
     def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
         self.router = router
@@ -234,6 +281,10 @@ class RoutedAttempt:
         # Its first token can time the replica's prefill (Router.observe_prefill): nothing of ours
         # is queued ahead of it (the caller clears it when the first token is the whole answer).
         self.prefill_sample = load is not None and load.waiting <= 1
+        self.batch = 1  # ours decoding there once this one started (its own included)
+        # (tokens after the first, seconds they took), set by the caller for a try that streamed
+        # its whole answer: times the replica's decode step (Router.observe_decode)
+        self.decode_sample: tuple[int, float] | None = None
         decision: Decision = routed.decision
         self.log = decision.as_log()
         self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
@@ -256,6 +307,8 @@ class RoutedAttempt:
             return
         self.first_token_s = time.perf_counter()
         state = routed.state
+        load = state.tracker.replicas.get(self.replica)
+        self.batch = load.decoding if load is not None else 1
         if self.router.precise.get(self.replica) and (routed.prompt_tokens // state.block_size
                                                       > routed.predicted_cached_tokens // state.block_size):
             # It just prefilled full blocks it did not hold: their BlockStored events must follow.
@@ -275,6 +328,8 @@ class RoutedAttempt:
             uncached = self.routed.prompt_tokens - self.cached_tokens
             if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:
                 router.observe_prefill(replica, uncached, self.first_token_s - self.routed_s)
+        if self.decode_sample is not None and self.decode_sample[0] >= DECODE_MIN_TOKENS - 1:
+            router.observe_decode(replica, self.batch, *self.decode_sample)
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 

@@ -83,8 +83,12 @@ class GatewayMetrics:
             "ahead; moving average). Compare with routing.load.prefill_tokens_per_s.", ["replica"], registry=r)
         self.routing_prefill_rate = Gauge(
             "kvgate_routing_prefill_tokens_per_second", "Per model: the prefill rate routing's load model uses "
-            "for its replicas, learned from their requests (routing.load.learn_prefill_rate); absent until "
+            "for its replicas, learned from their requests (routing.load.learn); absent until "
             "learned (then routing.load.prefill_tokens_per_s applies).", ["model"], registry=r)
+        self.routing_decode_step = Gauge(
+            "kvgate_routing_decode_step_seconds", "Per model: one decode step of a batch of one as routing's load "
+            "model counts it, learned from its streams' token intervals (routing.load.learn); absent until learned "
+            "(then routing.load.decode_step_base_s + decode_step_s_per_seq applies).", ["model"], registry=r)
         self.scrape_failures = Counter("kvgate_scrape_failures", "Failed /metrics scrapes of a replica.",
                                        ["replica"], registry=r)
         self.config_reloads = Counter("kvgate_config_reloads", "Routing YAML reloads, by result.", ["result"],

@@ -91,6 +91,9 @@ class ReplicaLoad:
     # tokens/s this replica prefills as learned from its requests (the gateway's Router sets one
     # rate for every replica of a model); None: the model's configured prefill_tokens_per_s
     prefill_tokens_per_s: float | None = None
+    # the model's decode step terms (decode_step_base_s, decode_step_s_per_seq) times this, as
+    # learned from its streams' token intervals (Router); None: as configured
+    decode_step_scale: float | None = None
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     # ticket -> block hashes of our requests in flight here: what the balance guard asks when a
     # prompt would follow this replica's cache ("is that cached prefix already running here?")
@@ -134,6 +137,10 @@ class LoadTracker:
         """Tokens/s `replica` is taken to prefill: the learned rate if one was set, else the model's."""
         load = self.replicas.get(replica)
         return (load.prefill_tokens_per_s if load is not None else None) or self.model.prefill_tokens_per_s
+
+    def set_decode_step_scale(self, replica: str, scale: float | None) -> None:
+        """Scale `replica`'s decode step terms by `scale` (None: as configured)."""
+        self._get(replica).decode_step_scale = scale
 
     def set_prefill_rate(self, replica: str, tokens_per_s: float | None) -> None:
         """Use `tokens_per_s` for `replica`'s queue (None: back to the model's rate). The backlog
@@ -272,8 +279,10 @@ class LoadTracker:
                 running += int(extra_running)
             loads.append(in_flight)
             # Prefill work ahead, interleaved with the running batch's decode steps.
+            scale = load.decode_step_scale
             delays.append(pending_tokens / tokens_per_s
-                          + (step_base_s + step_per_seq_s * running if running else 0.0))
+                          + ((step_base_s + step_per_seq_s * running) * (1.0 if scale is None else scale)
+                             if running else 0.0))
         return loads, delays
 
     def estimate(self, replica: str, now: float) -> LoadEstimate:

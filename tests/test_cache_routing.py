@@ -8,6 +8,7 @@ import contextlib
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 from tests.servers import free_port, run_gateway, run_replica
@@ -198,7 +199,7 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
     """Streamed and not: a request's uncached tokens over its routing-to-first-token time, averaged
     per replica, next to the replica's own figures; the YAML's rate (100 tokens/s here) is far off
     what a tiny replica reaches, and with learning off the log says so once."""
-    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100, learn_prefill_rate: false}\n"
+    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100, learn: false}\n"
     with cluster(tmp_path, routing, replicas=1) as gateway:
         rng = random.Random(5)
         for i in range(8):
@@ -214,7 +215,7 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
                  if line.startswith("{") and '"prefill_rate_differs"' in line]
         assert len(lines) == 1 and lines[0]["replica"] == "r0" and lines[0]["configured_tokens_per_s"] == 100
         assert lines[0]["observed_tokens_per_s"] > 1000
-        assert '"prefill_rate_learned"' not in gateway.server.logs()
+        assert '"prefill_rate_learned"' not in gateway.server.logs() and '"decode_step_learned"' not in gateway.server.logs()
         later = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "later")
         assert later["routing"]["scores"]["r0"] == 6.0  # still 600 uncached tokens at 100 tokens/s
 
@@ -244,3 +245,40 @@ def test_the_gateway_learns_the_prefill_rate_and_routes_in_seconds_of_it(tmp_pat
         assert scores["r0"] == scores["r1"]  # one rate per model: the replicas' scores stay comparable
         assert abs(scores["r0"] - 600 / used) <= 0.002 + 0.01 * scores["r0"], (scores, used)
         assert '"prefill_rate_differs"' not in gateway.server.logs()
+
+
+def test_the_gateway_learns_the_decode_step_from_its_streams_and_counts_it_in_queues(tmp_path):
+    """The YAML says a decode step takes 1 s (a batch of one: 0.9 + 0.1): a replica decoding one
+    stream then looks 1 s of queueing away. After 8 answers of 8 tokens (streamed and not) the
+    gateway counts the step its streams' token intervals show: it says so once, exports it, and a
+    request sent while another decodes sees that step as the busy replica's queueing."""
+    routing = "  policy: cache_aware\n  load: {decode_step_base_s: 0.9, decode_step_s_per_seq: 0.1}\n"
+    with cluster(tmp_path, routing, replicas=2) as gateway:
+        rng = random.Random(12)
+        for i in range(8):
+            record = complete(gateway, [rng.randrange(10, 250) for _ in range(40)], f"d-{i}", stream=i % 2 == 1,
+                              max_tokens=8, ignore_eos=True)
+            assert record["completion_tokens"] == 8
+        lines = poll(lambda: [json.loads(line) for line in gateway.server.logs().splitlines()
+                              if line.startswith("{") and '"decode_step_learned"' in line],
+                     "decode_step_learned", gateway.server)
+        assert len(lines) == 1 and lines[0]["model"] == "tiny" and lines[0]["configured_step_ms"] == 1000
+        step_ms = lines[0]["step_ms"]
+        itl_ms = [gateway.record(f"d-{i}")["itl_mean_ms"] for i in range(1, 8, 2)]  # the streamed ones
+        assert 0.3 * min(itl_ms) < step_ms < 3 * max(itl_ms) and step_ms < 200, (step_ms, itl_ms)
+        used = gateway_metric(gateway, "kvgate_routing_decode_step_seconds", model="tiny")
+        assert abs(used * 1000 - step_ms) <= 0.1 * step_ms + 0.01  # the same, or a refresh since
+        # One long stream keeps a replica decoding while a second request is routed.
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(complete, gateway, [rng.randrange(10, 250) for _ in range(40)], "busy",
+                               max_tokens=400, ignore_eos=True, stream=True)
+            holder = poll(lambda: next((name for name in ("r0", "r1") if gateway_metric(
+                gateway, "kvgate_requests_in_flight", replica=name) == 1), None), "the long stream running",
+                gateway.server)
+            time.sleep(0.2)  # past its first token: it decodes
+            probe = complete(gateway, [rng.randrange(10, 250) for _ in range(40)], "probe")
+            busy.result(timeout=60)
+        estimate = probe["routing"]["load_estimate"][holder]
+        assert estimate["decoding"] == 1
+        assert estimate["queue_delay_ms"] < 0.5 * 1000, estimate  # not the configured 1 s step
+        assert abs(estimate["queue_delay_ms"] - used * 1000) <= 0.05 * used * 1000 + 0.01, (estimate, used)

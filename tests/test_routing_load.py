@@ -73,6 +73,18 @@ def test_a_learned_prefill_rate_applies_to_its_replica_and_drains_the_backlog_at
     assert tracker.prefill_rate("a") == 1000.0
 
 
+def test_a_learned_decode_step_scale_applies_to_its_replica():
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000, decode_step_base_s=0.01, decode_step_s_per_seq=0.002))
+    for replica in ("a", "b"):
+        tracker.on_routed(replica, prompt_tokens=100)
+        tracker.on_first_token(replica, 100)  # decoding one
+    tracker.set_decode_step_scale("a", 0.25)
+    assert abs(tracker.queue_delay_s("a", 0) - 0.012 * 0.25) < 1e-12
+    assert abs(tracker.queue_delay_s("b", 0) - 0.012) < 1e-12
+    tracker.set_decode_step_scale("a", None)
+    assert abs(tracker.queue_delay_s("a", 0) - 0.012) < 1e-12
+
+
 def test_scraped_load_counts_until_stale():
     tracker = LoadTracker(LoadModel(stale_after_s=10))
     tracker.on_scrape("a", parse_load_metrics(VLLM), now=100)
