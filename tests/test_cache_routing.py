@@ -220,65 +220,56 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
         assert later["routing"]["scores"]["r0"] == 6.0  # still 600 uncached tokens at 100 tokens/s
 
 
-def test_the_gateway_learns_the_prefill_rate_and_routes_in_seconds_of_it(tmp_path):
-    """The YAML's rate (100 tokens/s) is 100x too slow for a tiny replica: a decision then prices an
-    uncached 600-token prompt at 6 s, and queueing behind a pending prompt as much. After 8 requests
-    (streamed and not, over both replicas) the gateway uses the rate it measured for the model: it
-    says so once, exports it, and the next decisions' scores are in seconds of it."""
-    routing = "  policy: cache_aware\n  load: {prefill_tokens_per_s: 100}\n"
+def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_seconds_of_them(tmp_path):
+    """The YAML is far off a tiny replica: 100 prompt tokens/s (an uncached 600-token prompt priced
+    at 6 s) and a 1 s decode step for a batch of one (0.9 + 0.1: a replica decoding one stream looks
+    1 s of queueing away). After 8 answers (streamed and not, over both replicas) the gateway uses
+    what it measured for the model: it says so once for each, exports both, and the next decisions
+    are in seconds of them (scores; a busy replica's queueing is the learned step)."""
+    routing = ("  policy: cache_aware\n  load: {prefill_tokens_per_s: 100, decode_step_base_s: 0.9, "
+               "decode_step_s_per_seq: 0.1}\n")
     with cluster(tmp_path, routing, replicas=2) as gateway:
         rng = random.Random(11)
-        first = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "p-0")
+
+        def prompt(n=600):
+            return [rng.randrange(10, 250) for _ in range(n)]
+
+        first = complete(gateway, prompt(), "p-0", max_tokens=8, ignore_eos=True)
         assert first["routing"]["scores"] == {"r0": 6.0, "r1": 6.0}
         for i in range(1, 8):
-            complete(gateway, [rng.randrange(10, 250) for _ in range(600)], f"p-{i}", stream=i % 2 == 1)
-        lines = poll(lambda: [json.loads(line) for line in gateway.server.logs().splitlines()
-                              if line.startswith("{") and '"prefill_rate_learned"' in line],
-                     "prefill_rate_learned", gateway.server)
-        assert len(lines) == 1 and lines[0]["model"] == "tiny" and lines[0]["configured_tokens_per_s"] == 100
-        learned = lines[0]["tokens_per_s"]
-        assert learned > 1000
-        used = gateway_metric(gateway, "kvgate_routing_prefill_tokens_per_second", model="tiny")
-        assert abs(used - learned) <= 0.1 * learned  # the same, or a refresh since
-        later = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "later")
+            record = complete(gateway, prompt(), f"p-{i}", stream=i % 2 == 1, max_tokens=8, ignore_eos=True)
+            assert record["completion_tokens"] == 8
+        def logs():
+            return [json.loads(line) for line in gateway.server.logs().splitlines() if line.startswith("{")]
+
+        rate_lines = poll(lambda: [r for r in logs() if r["event"] == "prefill_rate_learned"], "prefill_rate_learned",
+                          gateway.server)
+        step_lines = poll(lambda: [r for r in logs() if r["event"] == "decode_step_learned"], "decode_step_learned",
+                          gateway.server)
+        assert len(rate_lines) == 1 and rate_lines[0]["model"] == "tiny" and rate_lines[0]["configured_tokens_per_s"] == 100
+        assert rate_lines[0]["tokens_per_s"] > 1000
+        assert len(step_lines) == 1 and step_lines[0]["model"] == "tiny" and step_lines[0]["configured_step_ms"] == 1000
+        step_ms = step_lines[0]["step_ms"]
+        itl_ms = [gateway.record(f"p-{i}")["itl_mean_ms"] for i in range(1, 8, 2)]  # the streamed ones
+        assert 0.3 * min(itl_ms) < step_ms < 3 * max(itl_ms) and step_ms < 200, (step_ms, itl_ms)
+        rate = gateway_metric(gateway, "kvgate_routing_prefill_tokens_per_second", model="tiny")
+        assert abs(rate - rate_lines[0]["tokens_per_s"]) <= 0.1 * rate  # the same, or a refresh since
+        step_s = gateway_metric(gateway, "kvgate_routing_decode_step_seconds", model="tiny")
+        assert abs(step_s * 1000 - step_ms) <= 0.1 * step_ms + 0.01
+        later = complete(gateway, prompt(), "later")
         scores = later["routing"]["scores"]
         assert scores["r0"] == scores["r1"]  # one rate per model: the replicas' scores stay comparable
-        assert abs(scores["r0"] - 600 / used) <= 0.002 + 0.01 * scores["r0"], (scores, used)
-        assert '"prefill_rate_differs"' not in gateway.server.logs()
-
-
-def test_the_gateway_learns_the_decode_step_from_its_streams_and_counts_it_in_queues(tmp_path):
-    """The YAML says a decode step takes 1 s (a batch of one: 0.9 + 0.1): a replica decoding one
-    stream then looks 1 s of queueing away. After 8 answers of 8 tokens (streamed and not) the
-    gateway counts the step its streams' token intervals show: it says so once, exports it, and a
-    request sent while another decodes sees that step as the busy replica's queueing."""
-    routing = "  policy: cache_aware\n  load: {decode_step_base_s: 0.9, decode_step_s_per_seq: 0.1}\n"
-    with cluster(tmp_path, routing, replicas=2) as gateway:
-        rng = random.Random(12)
-        for i in range(8):
-            record = complete(gateway, [rng.randrange(10, 250) for _ in range(40)], f"d-{i}", stream=i % 2 == 1,
-                              max_tokens=8, ignore_eos=True)
-            assert record["completion_tokens"] == 8
-        lines = poll(lambda: [json.loads(line) for line in gateway.server.logs().splitlines()
-                              if line.startswith("{") and '"decode_step_learned"' in line],
-                     "decode_step_learned", gateway.server)
-        assert len(lines) == 1 and lines[0]["model"] == "tiny" and lines[0]["configured_step_ms"] == 1000
-        step_ms = lines[0]["step_ms"]
-        itl_ms = [gateway.record(f"d-{i}")["itl_mean_ms"] for i in range(1, 8, 2)]  # the streamed ones
-        assert 0.3 * min(itl_ms) < step_ms < 3 * max(itl_ms) and step_ms < 200, (step_ms, itl_ms)
-        used = gateway_metric(gateway, "kvgate_routing_decode_step_seconds", model="tiny")
-        assert abs(used * 1000 - step_ms) <= 0.1 * step_ms + 0.01  # the same, or a refresh since
-        # One long stream keeps a replica decoding while a second request is routed.
+        assert abs(scores["r0"] - 600 / rate) <= 0.002 + 0.01 * scores["r0"], (scores, rate)
+        # One long stream keeps a replica decoding while another request is routed.
         with ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(complete, gateway, [rng.randrange(10, 250) for _ in range(40)], "busy",
-                               max_tokens=400, ignore_eos=True, stream=True)
+            busy = pool.submit(complete, gateway, prompt(40), "busy", max_tokens=400, ignore_eos=True, stream=True)
             holder = poll(lambda: next((name for name in ("r0", "r1") if gateway_metric(
                 gateway, "kvgate_requests_in_flight", replica=name) == 1), None), "the long stream running",
                 gateway.server)
             time.sleep(0.2)  # past its first token: it decodes
-            probe = complete(gateway, [rng.randrange(10, 250) for _ in range(40)], "probe")
+            probe = complete(gateway, prompt(40), "probe")
             busy.result(timeout=60)
         estimate = probe["routing"]["load_estimate"][holder]
         assert estimate["decoding"] == 1
-        assert estimate["queue_delay_ms"] < 0.5 * 1000, estimate  # not the configured 1 s step
-        assert abs(estimate["queue_delay_ms"] - used * 1000) <= 0.05 * used * 1000 + 0.01, (estimate, used)
+        assert abs(estimate["queue_delay_ms"] - step_s * 1000) <= 0.05 * step_s * 1000 + 0.01, (estimate, step_s)
+        assert '"prefill_rate_differs"' not in gateway.server.logs()
