@@ -89,6 +89,7 @@ class RunResult:
     server_cores: float           # of which the replicas and the router in front
     notes: list[str] = field(default_factory=list)
     replica_ttft_mean_s: float = float("nan")  # the replicas' own TTFT (from arrival there), mean
+    steal_cores: float = 0.0      # CPU the hypervisor gave to other guests meanwhile (/proc/stat steal), in cores
 
     @property
     def added_ms(self) -> float:
@@ -225,10 +226,15 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
             if router == "precise" and not wait_precise(front.url, len(replicas)):
                 notes.append("precise mode not confirmed before traffic (kvgate_routing_mode != 1)")
         pids = [r.proc.pid for r in replicas] + [front.proc.pid]
-        before, machine_before, servers_before = replica_counters(urls), machine_busy_s(), sum(map(process_cpu_s, pids))
+        before, machine_before, servers_before = replica_counters(urls), machine_cpu_s(), sum(map(process_cpu_s, pids))
         results, wall_s = replay(front.url, workload.requests, model=MODEL, stream=s.stream)
-        machine_cores = (machine_busy_s() - machine_before) / wall_s
+        machine_after = machine_cpu_s()
+        machine_cores = (machine_after[0] - machine_before[0]) / wall_s
+        steal_cores = (machine_after[1] - machine_before[1]) / wall_s
         server_cores = (sum(map(process_cpu_s, pids)) - servers_before) / wall_s
+        if steal_cores > STEAL_WARN_CORES:
+            notes.append(f"the hypervisor took {steal_cores:.2f} cores for other guests during this run (steal): "
+                         "its TTFTs are slower than the routing made them; compare with a rerun")
         after = replica_counters(urls)
         if router == "precise" and (fallbacks := metric(front.url, "kvgate_kv_events_fallbacks_total")):
             notes.append(f"{fallbacks:.0f} KV event fallbacks to approximate")
@@ -253,16 +259,23 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
         notes.append(f"first failure: {failed[0].error or failed[0].status}")
     return RunResult(router, hits / queries if queries else 0.0, served, ok_ttfts(results), len(failed), wall_s,
                      machine_cores, server_cores, notes,
-                     replica_ttft_s / replica_ttft_n if replica_ttft_n else float("nan"))
+                     replica_ttft_s / replica_ttft_n if replica_ttft_n else float("nan"), steal_cores)
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores, /proc/stat): on a shared machine,
-    busy minus the bench's own processes is what the neighbours took during a run."""
+# Steal above this (cores, over a run) gets a note on the run's row: on a virtual machine whose host
+# is oversubscribed, a run's replicas got less CPU than their cap, whichever router ran.
+STEAL_WARN_CORES = 0.1
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """CPU seconds the whole machine has spent busy (all cores, /proc/stat; steal included: on a
+    shared machine, busy minus the bench's own processes is what the neighbours took during a run),
+    and of those, steal: time the hypervisor ran other guests on our virtual cores."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / tick, (fields[7] if len(fields) > 7 else 0) / tick
 
 
 def ok_ttfts(results: list[RequestResult]) -> list[float]:
@@ -299,16 +312,17 @@ def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: 
     rows = [f"{workload.name}: {workload.description}; {len(workload.requests)} requests over "
             f"{workload.duration_s:.0f} s; {s.replicas} tiny replicas x {s.capacity_blocks} KV blocks",
             f"  {'router':<32}{'hit rate':>9}{'/oracle':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'max/mean':>10}"
-            f"{'failed':>8}{'cores':>11}{'added':>9}  served per replica"]
+            f"{'failed':>8}{'cores':>11}{'steal':>7}{'added':>9}  served per replica"]
     for router, r in runs.items():
         rows.append(f"  {ROUTERS[router]:<32}{r.hit_rate:>9.1%}{r.hit_rate / oracle_hit if oracle_hit else float('nan'):>9.2f}"
                     f"{r.ttft_ms(50):>8.1f}ms{r.ttft_ms(99):>8.1f}ms{r.max_over_mean:>10.2f}{r.failures:>8}"
-                    f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}{r.added_ms:>7.2f}ms  {r.served}"
+                    f"{r.machine_cores:>6.1f}/{r.server_cores:.1f}{r.steal_cores:>7.2f}{r.added_ms:>7.2f}ms  {r.served}"
                     + "".join(f"\n      note: {n}" for n in r.notes))
     rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
     rows.append(f"  {s.cpu_note}")
     rows.append(f"  cores: CPU busy during the traffic, whole machine / replicas + router "
-                f"({os.cpu_count()} cores; the rest is the client and the neighbours); added: client TTFT "
+                f"({os.cpu_count()} cores; the rest is the client and the neighbours); steal: cores the "
+                f"hypervisor gave other guests meanwhile (a noisy host); added: client TTFT "
                 f"mean - the replicas' own TTFT mean (what the router in front adds)")
     return "\n".join(rows)
 
@@ -376,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.console.print(
                     f"  {WORKLOADS[key]:<7} {ROUTERS[router]:<31} hit {r.hit_rate:6.1%}  "
                     f"TTFT p50 {r.ttft_ms(50):6.1f} p99 {r.ttft_ms(99):7.1f} ms  max/mean {r.max_over_mean:.2f}  "
-                    f"failed {r.failures}  cores {r.machine_cores:.1f}/{r.server_cores:.1f}  "
+                    f"failed {r.failures}  cores {r.machine_cores:.1f}/{r.server_cores:.1f} steal {r.steal_cores:.2f}  "
                     f"({r.wall_s:.0f} s of {time.monotonic() - started:.0f} s)", soft_wrap=True)
     print()
     for key, workload in workloads.items():
