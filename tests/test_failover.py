@@ -470,18 +470,32 @@ class Blackhole:
                 sink.shutdown(1)
 
     def cut(self) -> None:
+        socket = self.socket_mod
         self.open = False
         for a, b in self.pairs:
             for sock in (a, b):
                 with contextlib.suppress(OSError):
+                    # shutdown first: a bare close() leaves the socket open while its pipe thread
+                    # is blocked in recv on it (no FIN), and a pooled connection through it would
+                    # look alive to the gateway
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
                     sock.close()
-        self.fillers = []
-        for _ in range(4):  # the accept queue fills; later SYNs are dropped
-            filler = self.socket_mod.socket()
-            filler.setblocking(False)
-            with contextlib.suppress(BlockingIOError, OSError):
-                filler.connect(("127.0.0.1", self.port))
+        # Stop accepting for good (the thread takes one last connection, closes it and ends), then
+        # fill the accept queue until a connect goes unanswered: from then on every SYN is dropped.
+        # (Filling it while the thread still accepted could leave a slot free: a CI run saw the
+        # gateway's connect land there, its request never read, waiting 30 s for a first token.)
+        self.fillers = [socket.create_connection(("127.0.0.1", self.port), timeout=5)]
+        self.thread.join(5)
+        for _ in range(16):
+            filler = socket.socket()
+            filler.settimeout(0.3)
             self.fillers.append(filler)
+            try:
+                filler.connect(("127.0.0.1", self.port))
+            except OSError:  # unanswered: the queue is full
+                return
+        raise AssertionError("the blackhole's accept queue never filled")
 
     def close(self) -> None:
         self.open = False
