@@ -33,13 +33,13 @@ log = structlog.get_logger("kvgate.router")
 # tokens count (shorter ones are mostly fixed costs). Observed decode step (observe_decode):
 # streams of at least DECODE_MIN_TOKENS tokens count. Each sample moves a moving average this
 # much; after this many, the load model uses a model's averages (routing.load.learn), adopting a
-# new value when it moved by more than LEARNED_REFRESH of the one in use; with learning off, a
+# new value when it moved by more than LEARN_REFRESH of the one in use; with learning off, a
 # replica's prefill rate this many times off the configured one is logged, once.
 PREFILL_RATE_MIN_TOKENS = 256
 DECODE_MIN_TOKENS = 5
-PREFILL_RATE_ALPHA = 0.2
-PREFILL_RATE_SAMPLES = 8
-LEARNED_REFRESH = 0.1
+LEARN_ALPHA = 0.2
+LEARN_SAMPLES = 8
+LEARN_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
 
 
@@ -128,10 +128,7 @@ class Router:
         if not routing.load.learn:
             self.adopted_prefill_rates.clear()
             self.adopted_decode_scales.clear()
-        tracker = policy_state.tracker
-        for spec in config.replicas:  # a new or rebuilt state, a replica added: what was learned so far
-            tracker.set_prefill_rate(spec.name, self.adopted_prefill_rates.get(spec.model))
-            tracker.set_decode_step_scale(spec.name, self.adopted_decode_scales.get(spec.model))
+        self._push_learned(spec.name for spec in config.replicas)  # a new or rebuilt state, a replica added
 
     def _capacity(self, spec, routing: RoutingSection) -> int:
         return spec.capacity_blocks or self.learned_capacity.get(spec.name) or routing.default_capacity_blocks
@@ -156,7 +153,7 @@ class Router:
 
         The load model's queue estimates and the cache's worth are in seconds of a prefill rate.
         With routing.load.learn (the default) the model's average becomes that rate for all its
-        replicas once it has PREFILL_RATE_SAMPLES samples (one rate per model: the candidates of a
+        replicas once it has LEARN_SAMPLES samples (one rate per model: the candidates of a
         decision share it, so their scores stay comparable), logged the first time. Without it, a
         log line says once when a replica's average settles more than PREFILL_RATE_HINT times off
         the configured rate."""
@@ -168,7 +165,7 @@ class Router:
         load = self.config.routing.load
         configured = load.prefill_tokens_per_s
         if not load.learn:
-            if samples == PREFILL_RATE_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
+            if samples == LEARN_SAMPLES and not 1 / PREFILL_RATE_HINT <= rate / configured <= PREFILL_RATE_HINT:
                 log.info("prefill_rate_differs", replica=replica, observed_tokens_per_s=round(rate),
                          configured_tokens_per_s=configured,
                          hint="set routing.load.prefill_tokens_per_s to what your replicas reach (or "
@@ -179,9 +176,7 @@ class Router:
             return
         rate = self.adopted_prefill_rates[model]
         self.metrics.routing_prefill_rate.labels(model=model).set(round(rate, 1))
-        tracker = self.state.tracker
-        for name in self._replicas_of(model):
-            tracker.set_prefill_rate(name, rate)
+        self._push_learned(name for name, of in self.state.model_of.items() if of == model)
         if first:
             log.info("prefill_rate_learned", model=model, tokens_per_s=round(rate),
                      samples=self.model_prefill_rates[model][1], configured_tokens_per_s=configured)
@@ -191,7 +186,7 @@ class Router:
         `batch` sequences of ours decoding there when it started. Its mean token interval over the
         step the load model assumes for that batch (decode_step_base_s + decode_step_s_per_seq x
         batch) is one sample of the model's scale; with routing.load.learn, once the average has
-        PREFILL_RATE_SAMPLES samples it scales that model's decode steps in the queue estimates
+        LEARN_SAMPLES samples it scales that model's decode steps in the queue estimates
         (logged the first time, exported as kvgate_routing_decode_step_seconds{model}: one step of
         a batch of one)."""
         load = self.config.routing.load
@@ -202,33 +197,35 @@ class Router:
                                      seconds / tokens / predicted)
         if model is None:
             return
-        scale = self.adopted_decode_scales[model]
-        tracker = self.state.tracker
-        for name in self._replicas_of(model):
-            tracker.set_decode_step_scale(name, scale)
-        step_s = (load.decode_step_base_s + load.decode_step_s_per_seq) * scale
+        configured_step_s = load.decode_step_base_s + load.decode_step_s_per_seq  # a batch of one
+        step_s = configured_step_s * self.adopted_decode_scales[model]
         self.metrics.routing_decode_step.labels(model=model).set(round(step_s, 6))
+        self._push_learned(name for name, of in self.state.model_of.items() if of == model)
         if first:
             log.info("decode_step_learned", model=model, step_ms=round(step_s * 1000, 3),
-                     configured_step_ms=round((load.decode_step_base_s + load.decode_step_s_per_seq) * 1000, 3),
-                     samples=self.model_decode_scales[model][1])
+                     configured_step_ms=round(configured_step_s * 1000, 3), samples=self.model_decode_scales[model][1])
 
     def _learned(self, averages: dict, adopted: dict, replica: str, sample: float) -> tuple[str | None, bool]:
         """Fold one sample into its model's average. (model, whether it is the first value) when
         the average is now to be adopted (enough samples, and new or moved by more than
-        LEARNED_REFRESH of the one in use), else (None, False)."""
+        LEARN_REFRESH of the one in use), else (None, False)."""
         model = self.state.model_of.get(replica)
         if model is None:
             return None, False
         value, samples = _averaged(averages, model, sample)
         current = adopted.get(model)
-        if samples < PREFILL_RATE_SAMPLES or (current is not None and abs(value / current - 1) <= LEARNED_REFRESH):
+        if samples < LEARN_SAMPLES or (current is not None and abs(value / current - 1) <= LEARN_REFRESH):
             return None, False
         adopted[model] = value
         return model, current is None
 
-    def _replicas_of(self, model: str) -> list[str]:
-        return [name for name, of in self.state.model_of.items() if of == model]
+    def _push_learned(self, replicas) -> None:
+        """Hand the load tracker what is learned for each replica's model (None where nothing is)."""
+        state = self.state
+        for name in replicas:
+            model = state.model_of.get(name)
+            state.tracker.set_prefill_rate(name, self.adopted_prefill_rates.get(model))
+            state.tracker.set_decode_step_scale(name, self.adopted_decode_scales.get(model))
 
     # ---- one request ----------------------------------------------------------------------------
 
@@ -348,8 +345,8 @@ def _estimates_log(state: RoutingState, candidates: list[str]) -> dict:
 
 
 def _averaged(averages: dict[str, tuple[float, int]], key: str, sample: float) -> tuple[float, int]:
-    """Move `key`'s moving average (PREFILL_RATE_ALPHA) by one sample; the first starts it at itself."""
+    """Move `key`'s moving average (LEARN_ALPHA) by one sample; the first starts it at itself."""
     rate, samples = averages.get(key, (sample, 0))
-    rate += (sample - rate) * PREFILL_RATE_ALPHA
+    rate += (sample - rate) * LEARN_ALPHA
     averages[key] = (rate, samples + 1)
     return rate, samples + 1

@@ -136,7 +136,10 @@ class LoadTracker:
     def prefill_rate(self, replica: str) -> float:
         """Tokens/s `replica` is taken to prefill: the learned rate if one was set, else the model's."""
         load = self.replicas.get(replica)
-        return (load.prefill_tokens_per_s if load is not None else None) or self.model.prefill_tokens_per_s
+        return self._rate(load) if load is not None else self.model.prefill_tokens_per_s
+
+    def _rate(self, load: ReplicaLoad) -> float:
+        return load.prefill_tokens_per_s or self.model.prefill_tokens_per_s
 
     def set_decode_step_scale(self, replica: str, scale: float | None) -> None:
         """Scale `replica`'s decode step terms by `scale` (None: as configured)."""
@@ -192,7 +195,7 @@ class LoadTracker:
         """Fold the prefill done since backlog_at into the backlog (at the replica's rate)."""
         now = self.clock()
         if now > load.backlog_at:
-            load.backlog_tokens = _backlog_left(load, now, load.prefill_tokens_per_s or self.model.prefill_tokens_per_s)
+            load.backlog_tokens = _backlog_left(load, now, self._rate(load))
             load.backlog_at = now
 
     def own_in_flight(self, replica: str) -> int:
