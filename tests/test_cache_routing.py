@@ -223,9 +223,10 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
 def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_seconds_of_them(tmp_path):
     """The YAML is far off a tiny replica: 100 prompt tokens/s (an uncached 600-token prompt priced
     at 6 s) and a 1 s decode step for a batch of one (0.9 + 0.1: a replica decoding one stream looks
-    1 s of queueing away). After 8 answers (streamed and not, over both replicas) the gateway uses
-    what it measured for the model: it says so once for each, exports both, and the next decisions
-    are in seconds of them (scores; a busy replica's queueing is the learned step)."""
+    1 s of queueing away). After 8 samples of each (answers streamed and not, over both replicas; a
+    stream whose tokens all came in one read times no step, so it may take a few more answers) the
+    gateway uses what it measured for the model: it says so once for each, exports both, and the
+    next decisions are in seconds of them (scores; a busy replica's queueing is the learned step)."""
     routing = ("  policy: cache_aware\n  load: {prefill_tokens_per_s: 100, decode_step_base_s: 0.9, "
                "decode_step_s_per_seq: 0.1}\n")
     with cluster(tmp_path, routing, replicas=2) as gateway:
@@ -234,23 +235,25 @@ def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_secon
         def prompt(n=600):
             return [rng.randrange(10, 250) for _ in range(n)]
 
-        first = complete(gateway, prompt(), "p-0", max_tokens=8, ignore_eos=True)
-        assert first["routing"]["scores"] == {"r0": 6.0, "r1": 6.0}
-        for i in range(1, 8):
-            record = complete(gateway, prompt(), f"p-{i}", stream=i % 2 == 1, max_tokens=8, ignore_eos=True)
-            assert record["completion_tokens"] == 8
-        def logs():
-            return [json.loads(line) for line in gateway.server.logs().splitlines() if line.startswith("{")]
+        def learned(event: str) -> list[dict]:
+            return [r for r in map(json.loads, filter(lambda line: line.startswith("{"),
+                                                      gateway.server.logs().splitlines())) if r["event"] == event]
 
-        rate_lines = poll(lambda: [r for r in logs() if r["event"] == "prefill_rate_learned"], "prefill_rate_learned",
-                          gateway.server)
-        step_lines = poll(lambda: [r for r in logs() if r["event"] == "decode_step_learned"], "decode_step_learned",
-                          gateway.server)
+        first = complete(gateway, prompt(), "p-0", max_tokens=16, ignore_eos=True)
+        assert first["routing"]["scores"] == {"r0": 6.0, "r1": 6.0}
+        sent = 1
+        while sent < 8 or not (learned("prefill_rate_learned") and learned("decode_step_learned")):
+            assert sent < 32, gateway.server.logs()[-3000:]
+            record = complete(gateway, prompt(), f"p-{sent}", stream=sent % 2 == 1, max_tokens=16, ignore_eos=True)
+            assert record["completion_tokens"] == 16
+            sent += 1
+        rate_lines, step_lines = learned("prefill_rate_learned"), learned("decode_step_learned")
         assert len(rate_lines) == 1 and rate_lines[0]["model"] == "tiny" and rate_lines[0]["configured_tokens_per_s"] == 100
         assert rate_lines[0]["tokens_per_s"] > 1000
         assert len(step_lines) == 1 and step_lines[0]["model"] == "tiny" and step_lines[0]["configured_step_ms"] == 1000
         step_ms = step_lines[0]["step_ms"]
-        itl_ms = [gateway.record(f"p-{i}")["itl_mean_ms"] for i in range(1, 8, 2)]  # the streamed ones
+        itl_ms = [gateway.record(f"p-{i}")["itl_mean_ms"] for i in range(1, sent, 2)]  # the streamed ones
+        itl_ms = [itl for itl in itl_ms if itl]
         assert 0.3 * min(itl_ms) < step_ms < 3 * max(itl_ms) and step_ms < 200, (step_ms, itl_ms)
         rate = gateway_metric(gateway, "kvgate_routing_prefill_tokens_per_second", model="tiny")
         assert abs(rate - rate_lines[0]["tokens_per_s"]) <= 0.1 * rate  # the same, or a refresh since
