@@ -147,16 +147,17 @@ class CacheAwareDecision:
     with the candidates; the dicts and the reason text of the log record are built on demand
     (after the response), not on the decision path."""
     __slots__ = ("replica", "candidates", "predicted_cached_tokens", "_matched", "_loads",
-                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes")
+                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes", "_shared_prefix")
     policy = "cache_aware"
 
     def __init__(self, replica, candidates, predicted_cached_tokens, matched, loads, scores,
-                 allowed, why, balance_factor, table, hashes) -> None:
+                 allowed, why, balance_factor, table, hashes, shared_prefix=False) -> None:
         self.replica, self.candidates = replica, candidates
         self.predicted_cached_tokens = predicted_cached_tokens
         self._matched, self._loads, self._scores, self._allowed = matched, loads, scores, allowed
         self._why, self._balance_factor = why, balance_factor
         self.table, self.hashes = table, hashes  # for commit(): where the guess goes
+        self._shared_prefix = shared_prefix  # the deepest match was a shared prefix too small to steer
 
     @property
     def matched_blocks(self) -> dict[str, int]:
@@ -178,6 +179,9 @@ class CacheAwareDecision:
         if matched[best] == matched[chosen]:
             text = (f"longest prefix ({matched[chosen]} blocks) at lowest cost" if matched[chosen]
                     else "no cached prefix; lowest queueing delay")
+        elif self._shared_prefix:
+            text = (f"new content: the {matched[best]} cached blocks are a prefix other requests share "
+                    f"(a system prompt), too small a part of this prompt to follow")
         elif best not in self._allowed:
             text = (f"balance guard: {self.candidates[best]} holds {matched[best]} blocks but is over "
                     f"{self._balance_factor}x mean load")
@@ -274,12 +278,14 @@ class CacheAware:
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1
         deepest = max(matched)
+        shared_prefix = False
         if deepest and deepest * block < self.follow_min_fraction * prompt_tokens \
                 and self._branch_points.get(int(hashes[deepest - 1]), 0) >= BRANCH_SHARED:
             # All that is cached is a prefix other requests branch off too (a shared system prompt
             # in front of a new conversation), and a small part of this prompt: it does not steer;
             # load and cache room decide (see the class doc).
             min_match = n_blocks + 1
+            shared_prefix = True
         # The candidates serve one model, which the gateway gives one prefill rate: scores stay
         # comparable (and ties exact) across them.
         per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
@@ -318,7 +324,7 @@ class CacheAware:
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
         return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                  allowed, why, self.balance_factor, table, hashes)
+                                  allowed, why, self.balance_factor, table, hashes, shared_prefix)
 
     def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous

@@ -64,11 +64,17 @@ def test_a_shared_system_prompt_neither_piles_conversations_nor_scatters_turns(t
                                  rng.choice(["fox", "dog", "cache", "block", "robot", "paint"]) for _ in range(120))}]
                          for c in range(9)}
         first_replica = {}
+        sent_away = 0  # first turns placed away from a replica holding the system prompt
         for turn in range(3):
             for c, messages in conversations.items():
                 record = stream_chat(gateway, messages, f"{mode}-{c}-{turn}")
                 if turn == 0:
                     first_replica[c] = record["replica"]
+                    routing = record["routing"]
+                    if max(routing["matched_blocks"].values()) > routing["matched_blocks"][record["replica"]]:
+                        # Sent away from the system prompt's cache: the log says why, and not as queueing.
+                        assert routing["reason"].startswith("new content: the "), routing
+                        sent_away += 1
                 else:
                     assert record["replica"] == first_replica[c], (c, turn, record["routing"])
                     assert record["cached_tokens"] >= record["prompt_tokens"] // 2
@@ -76,6 +82,7 @@ def test_a_shared_system_prompt_neither_piles_conversations_nor_scatters_turns(t
                              {"role": "user", "content": f"Turn {turn + 1}: go on about blocks and caches."}]
         per_replica = [list(first_replica.values()).count(name) for name in ("r0", "r1", "r2")]
         assert max(per_replica) <= 4, per_replica  # 9 conversations over 3 replicas: none takes most
+        assert sent_away >= 1
 
 
 def test_a_conversation_sent_as_growing_completions_prompts_keeps_its_replica_in_precise_mode(tmp_path):
