@@ -134,6 +134,28 @@ def test_chat_without_return_token_ids_still_logs_them(gateway):
     assert record["completion_tokens"] == len(record["output_token_ids"]) == 6
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_long_new_prompt_is_counted_with_the_replicas_tokenizer(gateway, stream):
+    """More new text than the gateway tokenizes on its loop (gateway.prompts.OFF_LOOP_CHARS): it is
+    tokenized on a worker thread, and the context check before routing counts exactly the tokens
+    the model's tokenizer makes of it (BOS included), streamed or not."""
+    from gateway.prompts import OFF_LOOP_CHARS
+    from replica.tiny import tiny_checkpoint_dir
+    from tokenization import TokenizerBundle
+
+    words = [f"{uuid.uuid4().hex[:6]}word" for _ in range(60)]
+    prompt = " ".join(words[i % 60] + ("," if i % 7 == 0 else "") for i in range(OFF_LOOP_CHARS // 5))
+    assert len(prompt) > OFF_LOOP_CHARS
+    tiny = TokenizerBundle.from_hf_dir(tiny_checkpoint_dir())
+    expected = len(tiny.tokenizer.encode(prompt, add_special_tokens=False).ids) + tiny.add_bos
+    status, _, answer = http("POST", gateway.url + "/v1/completions",
+                             {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream},
+                             {"x-request-id": rid()})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert f"your prompt contains {expected} input tokens" in answer["error"]["message"], answer
+    assert gateway.client.completions.create(model="tiny", prompt="Still serving", max_tokens=2).choices
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_stream_relays_every_token_and_records_them(gateway, endpoint):
     request_id = rid()

@@ -97,3 +97,25 @@ def test_chunks_are_never_cut_where_the_tokenizer_does_not_start_a_word():
     text = "a gateway routes the request to the replica that holds its prefix. " * 40
     assert cache.encode(text) == odd.encode(text)
     assert cache.misses == 1
+
+
+def test_a_lookup_finished_on_a_worker_thread_gives_the_tokenizers_ids_and_is_remembered():
+    """What the gateway does with a long new prompt: look it up on the loop, tokenize what is
+    missing on a thread in the tokenizer's GIL-free batch call, then serve it from the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiny = bundle()
+    cache = TokenCache(tiny)
+    rng = random.Random(11)
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 30}]
+    for turn in range(6):
+        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(400))})
+        messages.append({"role": "assistant", "content": "Noted: " + " ".join(rng.choice(WORDS) for _ in range(80))})
+    text = tiny.apply_chat_template(messages)
+    lookup = cache.lookup(text)
+    assert lookup.missing_chars > 0.9 * len(text) and len(lookup.misses) > 10  # stretches and chunks
+    with ThreadPoolExecutor(1) as pool:
+        ids = pool.submit(cache.finish, lookup, False, True).result()
+    assert ids == tiny.tokenizer.encode(text, add_special_tokens=False).ids
+    again = cache.lookup(text)
+    assert again.missing_chars == 0 and cache.finish(again, add_special_tokens=False) == ids

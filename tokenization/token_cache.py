@@ -79,62 +79,99 @@ class TokenCache:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """bundle.encode(text, add_special_tokens), from the cache where it can."""
-        ids = self._ids(text)
+        return self.finish(self.lookup(text), add_special_tokens)
+
+    def lookup(self, text: str) -> "Lookup":
+        """The cache's part of an encode: the text cut the way it is cached (at added tokens, long
+        stretches at word starts) and each piece looked up. Cheap (a regex pass and dict lookups);
+        what is left to tokenize is `missing_chars` long, for `finish`."""
+        splitter = self._splitter
+        if splitter is None or len(text) < 64:
+            keys: list = [(text, False)]
+        else:
+            keys = []
+            special = self._special_ids
+            for index, piece in enumerate(splitter.split(text)):
+                if index & 1:  # the captured added token
+                    keys.append(special[piece])
+                elif not piece:
+                    continue
+                elif not self._chunks or len(piece) <= 2 * CHUNK_CHARS:
+                    keys.append((piece, True))
+                else:
+                    start = 0
+                    for cut in _chunk_cuts(piece):
+                        keys.append((piece[start:cut], True))
+                        start = cut
+                    keys.append((piece[start:], True))
+        found: list = []
+        misses: list[tuple[str, bool]] = []
+        pieces = self._pieces
+        with self._lock:
+            for key in keys:
+                if key.__class__ is int:
+                    found.append(key)
+                    continue
+                cached = pieces.get(key[0])
+                if cached is None:
+                    found.append(None)
+                    misses.append(key)
+                else:
+                    pieces.move_to_end(key[0])
+                    self.hits += 1
+                    found.append(cached)
+        return Lookup(text, found, misses, splitter is not None and len(text) >= 64)
+
+    def finish(self, lookup: "Lookup", add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
+        """The IDs of a looked-up text: its missing pieces tokenized (and remembered), then all in order.
+
+        `release_gil`, for a thread other than the event loop: the missing pieces go to the
+        tokenizer in one batch call, which releases the GIL for its Rust work and spreads the
+        pieces over the cores. The word encoder (Python, holding the GIL, faster on one core)
+        serves the loop's own calls, where nothing runs meanwhile anyway: a Python encode in a
+        thread stalls the loop for the interpreter's switch interval (5 ms) each time it wants
+        the GIL back."""
+        misses = lookup.misses
+        encoded: list[list[int]] = []
+        if misses:
+            words = self._word_encoder
+            if release_gil or words is None:
+                texts = [text for text, _ in misses]
+                encoded = [e.ids for e in self.bundle.tokenizer.encode_batch(texts, add_special_tokens=False)]
+            else:
+                encoded = [words.encode(text) if plain else self.bundle.encode(text, add_special_tokens=False)
+                           for text, plain in misses]
+            self._remember(misses, encoded)
+        if len(lookup.found) == 1 and encoded:
+            ids = encoded[0]
+        else:
+            ids = []
+            fresh = iter(encoded)
+            for item in lookup.found:
+                if item is None:
+                    ids += next(fresh)
+                elif item.__class__ is int:
+                    ids.append(item)
+                else:
+                    ids += item.tolist()
+        if lookup.split and self._checks_left:
+            self._check(lookup.text, ids)
         if add_special_tokens and self.bundle.add_bos:
             ids.insert(0, self.bundle.bos_token_id)
         return ids
 
-    def _ids(self, text: str) -> list[int]:
-        splitter = self._splitter
-        if splitter is None or len(text) < 64:
-            return self._lookup(text, plain=False)
-        ids: list[int] = []
-        special = self._special_ids
-        for index, piece in enumerate(splitter.split(text)):
-            if index & 1:  # the captured added token
-                ids.append(special[piece])
-            elif piece:
-                ids += self._piece(piece)
-        if self._checks_left:
-            self._check(text, ids)
-        return ids
-
-    def _piece(self, text: str) -> list[int]:
-        """A stretch between added tokens."""
-        if not self._chunks or len(text) <= 2 * CHUNK_CHARS:
-            return self._lookup(text, plain=True)
-        ids: list[int] = []
-        start = 0
-        for cut in _chunk_cuts(text):
-            ids += self._lookup(text[start:cut], plain=True)
-            start = cut
-        ids += self._lookup(text[start:], plain=True)
-        return ids
-
-    def _lookup(self, text: str, plain: bool) -> list[int]:
-        """`text`'s IDs, remembered; `plain`: it holds no added token (then words may be used)."""
+    def _remember(self, misses: list[tuple[str, bool]], encoded: list[list[int]]) -> None:
         with self._lock:
-            cached = self._pieces.get(text)
-            if cached is not None:
-                self._pieces.move_to_end(text)
-                self.hits += 1
-                return cached.tolist()
-        words = self._word_encoder
-        if plain and words is not None:
-            ids = words.encode(text)
-        else:
-            ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
-        if len(text) <= MAX_PIECE_CHARS and len(ids) <= self.max_tokens // 8:
-            stored = array("i", ids)
-            with self._lock:
+            pieces = self._pieces
+            for (text, _), ids in zip(misses, encoded):
                 self.misses += 1
-                if text not in self._pieces:
-                    self._pieces[text] = stored
-                    self._tokens += len(stored)
-                    while self._tokens > self.max_tokens:
-                        _, old = self._pieces.popitem(last=False)
-                        self._tokens -= len(old)
-        return ids
+                if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
+                    continue
+                stored = pieces[text] = array("i", ids)
+                self._tokens += len(stored)
+                while self._tokens > self.max_tokens:
+                    _, old = pieces.popitem(last=False)
+                    self._tokens -= len(old)
 
     def _probe(self) -> bool:
         specials = list(self._special_ids)
@@ -165,7 +202,7 @@ class TokenCache:
 
     def _check(self, text: str, ids: list[int]) -> None:
         self._checks_left -= 1
-        whole = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        whole = self.bundle.encode(text, add_special_tokens=False)
         if whole != ids:
             self._splitter = None
             self._chunks = False
@@ -182,6 +219,19 @@ class TokenCache:
             elif piece:
                 ids += self.bundle.tokenizer.encode(piece, add_special_tokens=False).ids
         return ids == self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class Lookup:
+    """A text as TokenCache.lookup left it: per piece its cached IDs (an array), an added token's
+    ID, or None (missing: `misses` holds those pieces, with whether they are plain text)."""
+    __slots__ = ("text", "found", "misses", "split", "missing_chars")
+
+    def __init__(self, text: str, found: list, misses: list[tuple[str, bool]], split: bool) -> None:
+        self.text = text
+        self.found = found
+        self.misses = misses
+        self.split = split  # cut at added tokens and words (checked against whole encodes while checks are left)
+        self.missing_chars = sum(len(piece) for piece, _ in misses)
 
 
 def _chunk_cuts(text: str):
