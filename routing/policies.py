@@ -197,7 +197,8 @@ class CacheAwareDecision:
 class CacheAware:
     """score(r) = prefill_weight * uncached_tokens(r) / prefill rate (LoadTracker.prefill_rate)
                 + queue_weight * queue_delay_s(r), in seconds; lowest wins among the replicas
-    the balance guard allows.
+    the balance guard allows. prefill_weight (default 2, routing/params.py) counts an uncached
+    prefill twice: the request's own wait and the wait it adds for the requests behind it there.
 
     Balance guard (the bound on a hot prefix): a replica may take one more request while its
     in-flight load + 1 <= balance_factor x mean (counting this request) + balance_slack. A
@@ -239,7 +240,7 @@ class CacheAware:
     on its way."""
     name = "cache_aware"
 
-    def __init__(self, state: RoutingState, prefill_weight: float = 1.0, queue_weight: float = 1.0,
+    def __init__(self, state: RoutingState, prefill_weight: float = 2.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
                  min_match_blocks: int = 1, learn_from_routing: bool = True,
                  follow_min_fraction: float = 0.5, follow_abs_slack: float = 2.0,

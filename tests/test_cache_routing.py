@@ -11,9 +11,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
+from routing.params import CacheAwareParams
 from tests.servers import free_port, run_gateway, run_replica
 from tests.test_engine_serving import TINY_KV_BYTES_PER_BLOCK
 from tests.test_gateway import Gateway, http, metric
+
+PREFILL_WEIGHT = CacheAwareParams().prefill_weight  # what a score charges per second of uncached prefill
 
 WAIT_S = 30.0
 
@@ -217,7 +220,8 @@ def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_config
         assert lines[0]["observed_tokens_per_s"] > 1000
         assert '"prefill_rate_learned"' not in gateway.server.logs() and '"decode_step_learned"' not in gateway.server.logs()
         later = complete(gateway, [rng.randrange(10, 250) for _ in range(600)], "later")
-        assert later["routing"]["scores"]["r0"] == 6.0  # still 600 uncached tokens at 100 tokens/s
+        # still 600 uncached tokens at 100 tokens/s (weighted as cache_aware weighs uncached prefill)
+        assert later["routing"]["scores"]["r0"] == 6.0 * PREFILL_WEIGHT
 
 
 def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_seconds_of_them(tmp_path):
@@ -240,7 +244,7 @@ def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_secon
                                                       gateway.server.logs().splitlines())) if r["event"] == event]
 
         first = complete(gateway, prompt(), "p-0", max_tokens=16, ignore_eos=True)
-        assert first["routing"]["scores"] == {"r0": 6.0, "r1": 6.0}
+        assert first["routing"]["scores"] == {"r0": 6.0 * PREFILL_WEIGHT, "r1": 6.0 * PREFILL_WEIGHT}
         sent = 1
         while sent < 8 or not (learned("prefill_rate_learned") and learned("decode_step_learned")):
             assert sent < 32, gateway.server.logs()[-3000:]
@@ -262,7 +266,7 @@ def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_secon
         later = complete(gateway, prompt(), "later")
         scores = later["routing"]["scores"]
         assert scores["r0"] == scores["r1"]  # one rate per model: the replicas' scores stay comparable
-        assert abs(scores["r0"] - 600 / rate) <= 0.002 + 0.01 * scores["r0"], (scores, rate)
+        assert abs(scores["r0"] - PREFILL_WEIGHT * 600 / rate) <= 0.002 + 0.01 * scores["r0"], (scores, rate)
         # One long stream keeps a replica decoding while another request is routed.
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(complete, gateway, prompt(40), "busy", max_tokens=400, ignore_eos=True, stream=True)

@@ -80,7 +80,7 @@ routing:
   block_size: 16
   session_header: x-session-id
   cache_aware:
-    prefill_weight: 1.0
+    prefill_weight: 2.0
     balance_factor: 1.25
   session_affinity: {fallback: least_load}
 replicas:
@@ -105,7 +105,7 @@ def test_routing_policy_params_and_kv_events_decode():
 
 
 @pytest.mark.parametrize("old,new,expected", [
-    ("prefill_weight: 1.0", "prefill_wieght: 1.0", "x.yaml:6: routing.cache_aware.prefill_wieght: unknown key "
+    ("prefill_weight: 2.0", "prefill_wieght: 2.0", "x.yaml:6: routing.cache_aware.prefill_wieght: unknown key "
                                                    "(expected one of: prefill_weight, queue_weight,"),
     ("balance_factor: 1.25", "balance_factor: 0.5", "x.yaml:7: routing.cache_aware.balance_factor: expected float >= 1"),
     ("block_size: 16", "block_size: 0", "x.yaml:3: routing.block_size: expected int >= 1"),
