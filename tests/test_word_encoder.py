@@ -51,6 +51,19 @@ def test_word_by_word_ids_are_the_tokenizers_own(split):
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
 
 
+def test_ascii_text_takes_the_faster_split_with_the_tokenizers_own_ids():
+    """ASCII text is split by the standard library's `re` (the GPT-2 split's ASCII form): the same
+    IDs as the tokenizer on every kind of ASCII piece, control characters included."""
+    tokenizer = tiny()
+    encoder = WordEncoder.for_tokenizer(tokenizer)
+    assert encoder._ascii_findall is not None
+    ascii_pieces = [piece for piece in PIECES if piece.isascii()] + [chr(code) for code in range(128)]
+    rng = random.Random(3)
+    for _ in range(300):
+        text = "".join(rng.choice(ascii_pieces) for _ in range(rng.randrange(1, 80)))
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+
+
 @pytest.mark.parametrize("pre", [
     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),   # no word split at all
     pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True),     # a space added at the start

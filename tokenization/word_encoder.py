@@ -15,12 +15,19 @@ first real texts with whole encodes (tokenization/token_cache.py)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import regex
 
 # The pattern `tokenizers`' ByteLevel pre-tokenizer splits on when use_regex is true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The same split for ASCII text, in the standard library's `re` (about twice as fast as `regex`
+# with Unicode classes: 0.19 vs 0.41 ms for an 8k-character prompt). Used only after it agrees
+# with BYTE_LEVEL_PATTERN on every ASCII character in several contexts (_ascii_agrees).
+_ASCII_SPACE = "\t\n\x0b\x0c\r "
+ASCII_BYTE_LEVEL_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^%s\x80-\uffffA-Za-z0-9]+"""
+                            r"""|[%s]+(?![^%s])|[%s]+""") % ((_ASCII_SPACE,) * 4)
 MAX_WORDS = 262_144    # words remembered; past it the cache starts over (a few tens of MB at most)
 MAX_WORD_CHARS = 256   # a longer word (a run of spaces, a base64 blob) is encoded, not remembered
 PROBE_TEXT = (  # what a split may treat differently: contractions, numbers, odd spaces, marks
@@ -36,6 +43,11 @@ class WordEncoder:
     def __init__(self, tokenizer, pattern: str) -> None:
         self.tokenizer = tokenizer
         self._findall = regex.compile(pattern).findall
+        self._ascii_findall = None  # the faster split of ASCII text, where one agrees with `pattern`
+        if pattern == BYTE_LEVEL_PATTERN:
+            ascii_findall = re.compile(ASCII_BYTE_LEVEL_PATTERN).findall
+            if _ascii_agrees(self._findall, ascii_findall):
+                self._ascii_findall = ascii_findall
         self._words: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
@@ -54,7 +66,7 @@ class WordEncoder:
         return encoder if encoder._agrees(PROBE_TEXT) and encoder._agrees(PROBE_TEXT * 3 + " end") else None
 
     def encode(self, text: str) -> list[int]:
-        words = self._findall(text)
+        words = self._ascii_findall(text) if self._ascii_findall is not None and text.isascii() else self._findall(text)
         get = self._words.get
         ids: list[int] = []
         for word in words:
@@ -83,6 +95,15 @@ class WordEncoder:
         if len(pieces) != len(words):
             return False
         return self.encode(text) == self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _ascii_agrees(findall, ascii_findall) -> bool:
+    """The two splits cut alike every ASCII character alone, doubled, and between letters, digits,
+    spaces and marks, and the probe text's ASCII part."""
+    contexts = ("{c}", "{c}{c}", "a{c}b", " {c} ", "1{c}2", "{c} x", "x {c}", "{c}\n", "'{c}s", " {c}{c}  y")
+    texts = [form.format(c=chr(code)) for code in range(128) for form in contexts]
+    texts.append("".join(ch for ch in PROBE_TEXT if ch.isascii()) * 2)
+    return all(findall(text) == ascii_findall(text) for text in texts)
 
 
 def tokenizer_config(tokenizer) -> dict:
