@@ -119,3 +119,32 @@ def test_a_lookup_finished_on_a_worker_thread_gives_the_tokenizers_ids_and_is_re
     assert ids == tiny.tokenizer.encode(text, add_special_tokens=False).ids
     again = cache.lookup(text)
     assert again.missing_chars == 0 and cache.finish(again, add_special_tokens=False) == ids
+
+
+def test_a_short_prompt_that_arrives_with_a_long_new_one_is_tokenized_first():
+    """The gateway tokenizes on its loop: of requests that arrive together, a long new prompt lets
+    the shorter ones go ahead (gateway.prompts.YIELD_CHARS), so they reach a replica first."""
+    import asyncio
+
+    import msgspec
+
+    from gateway.prompts import YIELD_CHARS, prompt_token_ids
+    from protocol.requests import decode_completion
+
+    tiny = bundle()
+    rng = random.Random(5)
+    long_prompt = " ".join(f"w{rng.randrange(10**9)}" for _ in range(YIELD_CHARS))  # all new text
+    short_prompt = "A short question?"
+
+    async def both() -> list[str]:
+        done: list[str] = []
+
+        async def one(name: str, prompt: str) -> None:
+            request = decode_completion(msgspec.json.encode({"model": "tiny", "prompt": prompt}))
+            ids = await prompt_token_ids(request, tiny)
+            assert ids == tiny.encode(prompt)
+            done.append(name)
+        await asyncio.gather(one("long", long_prompt), one("short", short_prompt))  # the long one starts first
+        return done
+
+    assert asyncio.run(both()) == ["short", "long"]
