@@ -74,6 +74,7 @@ class Settings:
     # Cores each replica may use (bench.cpu_caps): replicas on separate devices do not slow each
     # other down; 0 = uncapped (the replicas share the machine's cores).
     replica_cpu: float = 0.0
+    replica_cpu_policy: str | None = None  # the replicas' --cpu-policy (None: their default)
     cpu_note: str = ""
 
 
@@ -156,7 +157,8 @@ def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list
             endpoints[:] = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
             return run_replica(MODEL, extra_args=[
                 "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-events-endpoint", endpoints[0],
-                "--kv-events-replay-endpoint", endpoints[1], "--log-level", "warning"])
+                "--kv-events-replay-endpoint", endpoints[1], "--log-level", "warning"]
+                + (["--cpu-policy", s.replica_cpu_policy] if s.replica_cpu_policy else []))
         return enter_server(stack, fresh), tuple(endpoints)
 
     # Each start waits for its replica's health; the waits overlap (ExitStack's append is atomic).
@@ -342,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-cpu", type=float, default=None,
                         help="cores each replica may use, as if on a device of its own (default: 0.8 x the "
                              "machine's cores / replicas; 0: uncapped, replicas share the cores)")
+    parser.add_argument("--replica-cpu-policy", choices=("batch", "normal"), default=None,
+                        help="the replicas' --cpu-policy (default: theirs, batch): 'normal' lets a replica's "
+                             "compute thread preempt the router on the cores they share")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
     parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
                                                           "(kvgate logs at info: one record per request with its routing), "
@@ -354,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs)
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
+    s.replica_cpu_policy = args.replica_cpu_policy
     s.replica_cpu = (round(0.8 * (os.cpu_count() or 1) / s.replicas, 2) if args.replica_cpu is None
                      else args.replica_cpu)
     selection = Selection.from_args(args)

@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="batch",
+                        help="Linux scheduling policy of the engine's compute threads: 'batch' (SCHED_BATCH: "
+                             "same CPU share, but a wake-up does not preempt a co-located gateway's event "
+                             "loop) or 'normal'")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests beyond which new ones get 429")
@@ -179,7 +183,8 @@ async def _serve(args, loaded, defaults, log) -> int:
                         max_waiting=args.max_waiting, max_running=args.max_running,
                         kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-                        kv_lease_s=args.kv_lease_duration_s, liveness=liveness, on_fatal=on_fatal)
+                        kv_lease_s=args.kv_lease_duration_s, liveness=liveness, on_fatal=on_fatal,
+                        cpu_policy=args.cpu_policy)
     except ValueError as exc:
         if kv_events is not None:
             kv_events.close()

@@ -37,6 +37,7 @@ import torch
 
 from protocol.errors import BadRequest, Overloaded, Unavailable
 from replica.block_pool import BlockPool
+from replica.cpu_policy import POLICIES, apply_to_current_thread
 from replica.kv_codec import StagedKV, unpack_blocks
 from replica.kv_pins import DEFAULT_LEASE_S, KVPin, PinTable, prompt_digest
 from replica.liveness import EngineLiveness
@@ -121,9 +122,11 @@ class Engine:
                  kv_cache_gb: float = DEFAULT_KV_CACHE_GB, num_blocks: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = 512,
                  kv_events=None, max_model_len_requested: bool = False, kv_lease_s: float = DEFAULT_LEASE_S,
-                 liveness: EngineLiveness | None = None, on_fatal=None):
+                 liveness: EngineLiveness | None = None, on_fatal=None, cpu_policy: str | None = None):
         """`max_model_len`: the model's context, or the user's `--max-model-len` when
-        `max_model_len_requested`; see `fit_context` for how it meets the KV cache's size."""
+        `max_model_len_requested`; see `fit_context` for how it meets the KV cache's size.
+        `cpu_policy`: the worker thread's scheduling policy (replica/cpu_policy.py), None to keep
+        the starting thread's."""
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -158,6 +161,10 @@ class Engine:
         self._shared_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.liveness = liveness or EngineLiveness()
         self._on_fatal = on_fatal  # called (from the worker) if it dies: the process should end
+        if cpu_policy is not None and cpu_policy not in POLICIES:
+            raise ValueError(f"cpu_policy must be one of {', '.join(POLICIES)}, not {cpu_policy!r}")
+        self.cpu_policy = cpu_policy
+        self.cpu_policy_applied = False
         self._thread = threading.Thread(target=self._run, name="replica-engine", daemon=True)
 
     # -- asyncio side ---------------------------------------------------------------------------
@@ -270,6 +277,11 @@ class Engine:
         return self.liveness.problem(self._thread.is_alive(), bool(self.num_running or self.num_waiting))
 
     def _run(self) -> None:
+        if self.cpu_policy is not None:  # before the first torch op: its worker threads inherit it
+            self.cpu_policy_applied = apply_to_current_thread(self.cpu_policy)
+            if not self.cpu_policy_applied:
+                log.warning("cpu_policy_not_applied", policy=self.cpu_policy,
+                            reason="the OS refused or lacks it; the engine keeps the default policy")
         try:
             self._work()
         except BaseException as exc:  # the worker is gone: nothing it held can finish here
