@@ -6,9 +6,13 @@ whatever runs on the CPU it wakes on, since it slept and is owed time; when that
 computes a prefill for milliseconds, the gateway's event loop, preempted in the middle of a
 write, waits for it with every request it holds (measured: the gateway's write() of a request to a
 co-located replica returned after ~0.9 ms, the replica's whole turn, instead of ~0.04 ms).
-SCHED_BATCH (sched(7)) keeps the thread's fair share of the CPU, unchanged, and only gives up the
-preemption on wake-up: the gateway, I/O work in short bursts, runs on until it waits, and the
-engine gets the CPU then or on another core. An unprivileged process may choose it for itself.
+SCHED_BATCH (sched(7)) gives up the preemption on wake-up: the gateway, I/O work in short bursts,
+runs on until it waits, and the engine gets the CPU then or on another core. The thread's nice
+value also goes up to BATCH_NICE (weight 335 against a normal thread's 1024): when a burst of
+requests has the gateway tokenizing and routing while every replica computes, the gateway gets
+its CPU first instead of a fair fraction, and the engine still has every cycle nobody else wants.
+An unprivileged process may do both to itself (raising a nice value needs no privilege; lowering
+it back does, so 'normal' leaves the nice value as it finds it).
 
 The policy is per thread and inherited by the threads a thread starts: the engine thread sets it
 before its first torch op, so the intra-op worker threads torch starts for it (--threads > 1)
@@ -16,8 +20,10 @@ inherit it; the replica's HTTP thread stays a normal one (it answers, it does no
 from __future__ import annotations
 
 import os
+import threading
 
 POLICIES = ("batch", "normal")
+BATCH_NICE = 5
 
 
 def apply_to_current_thread(policy: str) -> bool:
@@ -30,6 +36,9 @@ def apply_to_current_thread(policy: str) -> bool:
         return False
     try:
         os.sched_setscheduler(0, wanted, os.sched_param(0))  # pid 0: this thread (Linux)
+        if policy == "batch":  # per thread on Linux, inherited by the threads it starts
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BATCH_NICE))
     except OSError:
         return False
     return True

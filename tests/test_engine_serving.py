@@ -144,25 +144,32 @@ def test_small_pool_preempts_finishes_everything_and_events_rebuild_the_cache(ti
             assert block_hashes(event.token_ids, event.block_size, parent_hash=parent) == event.block_hashes
 
 
-def _thread_policies(pid: int) -> dict[int, int]:
+def _thread_policies(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (scheduling policy, nice value)."""
     import os
-    return {int(tid): os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    return {int(tid): (os.sched_getscheduler(int(tid)), os.getpriority(os.PRIO_PROCESS, int(tid)))
+            for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux scheduling policies")
 def test_the_engine_computes_as_batch_work_and_its_http_thread_does_not():
-    """By default the engine thread and the intra-op thread torch starts for it run SCHED_BATCH (no
-    wake-up preemption of a co-located gateway), the process's main (HTTP) thread a normal one;
-    `--cpu-policy normal` keeps every thread normal. Both serve the same tokens."""
+    """By default the engine thread and the intra-op thread torch starts for it run SCHED_BATCH at
+    nice BATCH_NICE (no wake-up preemption of a co-located gateway, which gets the CPU first), the
+    process's main (HTTP) thread a normal one; `--cpu-policy normal` keeps every thread normal.
+    Both serve the same tokens."""
     import os
+
+    from replica.cpu_policy import BATCH_NICE
+    base_nice = os.getpriority(os.PRIO_PROCESS, 0)
     prompt = random_prompts(1, seed=5, lengths=(40, 41))[0]
     answers = []
     for extra, batch_threads in (([], 2), (["--cpu-policy", "normal"], 0)):
         with run_replica("tiny", threads=2, extra_args=extra) as replica:
             answers.append(tokens_of(complete(replica.url, prompt, 6)))  # its first torch op starts the pool
             policies = _thread_policies(replica.proc.pid)
-        assert policies[replica.proc.pid] == os.SCHED_OTHER
-        assert sum(policy == os.SCHED_BATCH for policy in policies.values()) == batch_threads, policies
+        assert policies[replica.proc.pid] == (os.SCHED_OTHER, base_nice)
+        batch = [nice for policy, nice in policies.values() if policy == os.SCHED_BATCH]
+        assert len(batch) == batch_threads and all(nice == max(base_nice, BATCH_NICE) for nice in batch), policies
     assert answers[0] == answers[1]
 
 
@@ -170,17 +177,19 @@ def test_cpu_policy_applies_to_the_calling_thread_only():
     import os
     import threading
 
-    from replica.cpu_policy import apply_to_current_thread
+    from replica.cpu_policy import BATCH_NICE, apply_to_current_thread
     seen = {}
 
     def worker():
         seen["applied"] = apply_to_current_thread("batch")
         seen["policy"] = os.sched_getscheduler(threading.get_native_id())
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join(10)
     if hasattr(os, "SCHED_BATCH"):
-        assert seen == {"applied": True, "policy": os.SCHED_BATCH}
+        assert seen == {"applied": True, "policy": os.SCHED_BATCH,
+                        "nice": max(BATCH_NICE, os.getpriority(os.PRIO_PROCESS, 0))}
         assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
     with pytest.raises(ValueError, match="batch, normal"):
         apply_to_current_thread("realtime")
