@@ -233,6 +233,8 @@ class Proxy:
                                      plan.parsed.cache_salt, new_tokens) as attempt:
                 replica = self.pool.by_name[attempt.replica]
                 record.replica = replica.name
+                if record.routed_s is None:
+                    record.routed_s = attempt.routed_s
                 record.routing = attempt.log
                 if failed:
                     record.routing["retried_after"] = list(failed)

@@ -24,7 +24,7 @@ def hashed_ids(ids: list[int]) -> str:
 class RequestRecord:
     __slots__ = ("request_id", "model", "replica", "endpoint", "stream", "status",
                  "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
-                 "cached_tokens", "finish_reason", "error", "routing", "started_s",
+                 "cached_tokens", "finish_reason", "error", "routing", "started_s", "routed_s",
                  "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers", "pd",
                  "key", "tenant", "_emitted")
 
@@ -44,6 +44,7 @@ class RequestRecord:
         self.error: str | None = None
         self.routing: dict | None = None
         self.started_s = time.perf_counter()
+        self.routed_s: float | None = None       # its first try's replica chosen (then sent at once)
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self.itl_s: list[float] = []
@@ -86,13 +87,14 @@ class RequestRecord:
         return end - self.started_s
 
     def as_fields(self, token_ids: TokenIdPolicy) -> dict:
-        first, started, itl = self.first_token_s, self.started_s, self.itl_s
+        first, started, itl, routed = self.first_token_s, self.started_s, self.itl_s, self.routed_s
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         fields = {
             "request_id": self.request_id, "model": self.model, "replica": self.replica,
             "endpoint": self.endpoint, "stream": self.stream, "status": self.status,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "routed_ms": None if routed is None else round((routed - started) * 1000.0, 3),
             "ttft_ms": None if first is None else round((first - started) * 1000.0, 3),
             "e2e_ms": round((end - started) * 1000.0, 3),
             "itl_mean_ms": round(sum(itl) / len(itl) * 1000.0, 3) if itl else None,

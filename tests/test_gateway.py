@@ -185,6 +185,7 @@ def test_stream_relays_every_token_and_records_them(gateway, endpoint):
     assert record["output_token_ids"] == streamed_ids and len(streamed_ids) == 10
     assert record["prompt_token_ids"] == prompt_ids
     assert record["completion_tokens"] == 10 and record["ttft_ms"] > 0 and record["itl_max_ms"] >= 0
+    assert 0 < record["routed_ms"] < record["ttft_ms"]  # the gateway's own time before the replica had it
     same = direct(gateway, record["replica"], path, params)
     assert same["choices"][0]["token_ids"] == streamed_ids
 
