@@ -42,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.cpu_caps import CpuCaps
+from bench.cpu_caps import SHARES, CpuCaps
 from bench.loadgen import RequestResult, process_cpu_s
 from bench.replay import replay
 from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
@@ -75,6 +75,9 @@ class Settings:
     # other down; 0 = uncapped (the replicas share the machine's cores).
     replica_cpu: float = 0.0
     replica_cpu_policy: str | None = None  # the replicas' --cpu-policy (None: their default)
+    gateway_workers: int = 1               # kvgate's gateway.workers
+    cap_whole_process: bool = False        # cap every replica thread, not only its compute threads
+    replica_cpu_shares: int = SHARES       # the capped compute's cgroup weight against the host's other work
     cpu_note: str = ""
 
 
@@ -125,6 +128,15 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (a gateway's workers), recursively; [] once it is gone."""
+    import psutil
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def replica_counters(urls: list[str]) -> list[tuple[float, ...]]:
     """Per replica: prefix-cache hits, queries, requests served, and its own TTFT sum and count
     (from the request's arrival at the replica: what the router in front adds is not in it)."""
@@ -147,7 +159,7 @@ def enter_server(stack: contextlib.ExitStack, start):
 def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list[tuple[str, str]]]:
     """s.replicas tiny replicas publishing KV events (for every router alike), started in parallel,
     each capped at s.replica_cpu cores where the machine allows (bench.cpu_caps)."""
-    caps = stack.enter_context(CpuCaps(s.replica_cpu))  # entered first: its cgroups go once the replicas stopped
+    caps = stack.enter_context(CpuCaps(s.replica_cpu, shares=s.replica_cpu_shares))  # entered first: its cgroups go once the replicas stopped
     kv_gb = s.capacity_blocks * TINY_KV_BYTES_PER_BLOCK / (1 << 30)
 
     def start(_index):
@@ -168,9 +180,10 @@ def start_replicas(stack: contextlib.ExitStack, s: Settings) -> tuple[list, list
     # Unwinding stops them one by one; a SIGTERM to all first makes those waits overlap too.
     stack.callback(lambda: [r.proc.poll() is None and r.proc.send_signal(signal.SIGTERM) for r in replicas])
     for replica in replicas:
-        caps.cap(replica.proc.pid)
+        caps.cap(replica.proc.pid, whole_process=s.cap_whole_process)
         warm_up(replica.url)
-    s.cpu_note = (f"each replica capped at {s.replica_cpu:.2f} of a core (bench.cpu_caps)" if not caps.unavailable
+    s.cpu_note = (f"each replica capped at {s.replica_cpu:.2f} of a core ({caps.scope}; bench.cpu_caps)"
+                  if not caps.unavailable
                   else f"replicas share the machine's cores ({caps.unavailable}): they slow each other down, "
                        f"which favours routers that load few replicas")
     return replicas, [endpoints for _, endpoints in started]
@@ -187,22 +200,25 @@ def warm_up(url: str) -> None:
             response.read()
 
 
-def kvgate_config(router: str, replicas, endpoints, port: int, log_level: str) -> str:
-    """The YAML a user writes: a policy and the replicas (with their KV events in precise mode)."""
+def kvgate_config(router: str, replicas, endpoints, port: int, log_level: str, workers: int = 1) -> str:
+    """The YAML a user writes: a policy and the replicas (with their KV events in precise mode);
+    `gateway.workers` when more than one."""
     policy = "round_robin" if router == "round_robin" else "cache_aware"
     entries = "".join(
         f"  - name: r{i}\n    url: {r.url}\n    model: {MODEL}\n"
         + (f"    kv_events: {{endpoint: '{pub}', replay_endpoint: '{rep}'}}\n" if router == "precise" else "")
         for i, (r, (pub, rep)) in enumerate(zip(replicas, endpoints)))
-    return (f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, level: {log_level}}}\n"
+    more = f", workers: {workers}" if workers > 1 else ""
+    return (f"gateway: {{host: 127.0.0.1, port: {port}{more}}}\nlogging: {{format: json, level: {log_level}}}\n"
             f"routing:\n  policy: {policy}\nreplicas:\n{entries}")
 
 
-def wait_precise(gateway_url: str, count: int) -> bool:
-    """Every replica in precise mode (its KV event stream subscribed); polled, bounded."""
+def wait_precise(gateway_url: str, count: int, workers: int = 1) -> bool:
+    """Every replica in precise mode (its KV event stream subscribed) in every worker (the gauge
+    has one sample per worker); polled, bounded."""
     deadline = time.monotonic() + PRECISE_WAIT_S
     while time.monotonic() < deadline:
-        if all(metric(gateway_url, "kvgate_routing_mode", replica=f"r{i}") == 1 for i in range(count)):
+        if all(metric(gateway_url, "kvgate_routing_mode", replica=f"r{i}") == workers for i in range(count)):
             return True
         time.sleep(0.2)
     return False
@@ -222,12 +238,13 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
 
             def gateway():
                 port = free_port()
-                config.write_text(kvgate_config(router, replicas, endpoints, port, "info" if verbose else "warning"))
+                config.write_text(kvgate_config(router, replicas, endpoints, port, "info" if verbose else "warning",
+                                                s.gateway_workers))
                 return run_gateway(config, port)
             front = enter_server(stack, gateway)
-            if router == "precise" and not wait_precise(front.url, len(replicas)):
+            if router == "precise" and not wait_precise(front.url, len(replicas), s.gateway_workers):
                 notes.append("precise mode not confirmed before traffic (kvgate_routing_mode != 1)")
-        pids = [r.proc.pid for r in replicas] + [front.proc.pid]
+        pids = [r.proc.pid for r in replicas] + [front.proc.pid] + child_pids(front.proc.pid)  # workers too
         before, machine_before, servers_before = replica_counters(urls), machine_cpu_s(), sum(map(process_cpu_s, pids))
         results, wall_s = replay(front.url, workload.requests, model=MODEL, stream=s.stream)
         machine_after = machine_cpu_s()
@@ -344,6 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-cpu", type=float, default=None,
                         help="cores each replica may use, as if on a device of its own (default: 0.8 x the "
                              "machine's cores / replicas; 0: uncapped, replicas share the cores)")
+    parser.add_argument("--cap-whole-process", action="store_true",
+                        help="cap every thread of a replica, its HTTP thread too (default: its compute threads, "
+                             "as a device would be; bench/cpu_caps.py says why)")
+    parser.add_argument("--replica-cpu-shares", type=int, default=None,
+                        help="the capped compute's cgroup cpu.shares against the host's other work (default "
+                             "128: an emulated device yields the CPU to the router; 1024: equal weight)")
+    parser.add_argument("--gateway-workers", type=int, default=1,
+                        help="kvgate's gateway.workers (processes on one port; default 1)")
     parser.add_argument("--replica-cpu-policy", choices=("batch", "normal"), default=None,
                         help="the replicas' --cpu-policy (default: theirs, batch): 'normal' lets a replica's "
                              "compute thread preempt the router on the cores they share")
@@ -360,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
     s.replica_cpu_policy = args.replica_cpu_policy
+    s.gateway_workers = args.gateway_workers
+    s.cap_whole_process = args.cap_whole_process
+    if args.replica_cpu_shares is not None:
+        s.replica_cpu_shares = args.replica_cpu_shares
     s.replica_cpu = (round(0.8 * (os.cpu_count() or 1) / s.replicas, 2) if args.replica_cpu is None
                      else args.replica_cpu)
     selection = Selection.from_args(args)

@@ -162,3 +162,63 @@ def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_afte
         groups = caps.groups
     assert 0.1 < share < 0.3, share
     assert groups and not any(g.exists() for g in groups)
+
+
+# Each thread spins in hashlib, which releases the GIL for large inputs: what each thread gets is
+# then the scheduler's doing, not the GIL's.
+SPIN_TWO_THREADS = """
+import hashlib, os, threading, time
+end = time.time() + 30
+data = bytes(1 << 20)
+def spin(batch):
+    if batch:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    while time.time() < end:
+        hashlib.sha256(data).digest()
+threading.Thread(target=spin, args=(True,), daemon=True).start()
+spin(False)
+"""
+
+
+def _thread_cpu_s(pid: int, tid: int) -> float:
+    import os
+    raw = open(f"/proc/{pid}/task/{tid}/stat", "rb").read()
+    fields = raw[raw.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_only_a_replicas_compute_threads_are_capped():
+    """A process with a SCHED_BATCH thread (a replica's engine) and a normal one (its HTTP thread):
+    the cap holds the batch thread to its share and leaves the other thread free."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench.cpu_caps import CpuCaps, compute_threads
+
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("Linux scheduling policies")
+    with CpuCaps(0.2) as caps:
+        if caps.unavailable:
+            pytest.skip(caps.unavailable)
+        spin = subprocess.Popen([sys.executable, "-c", SPIN_TWO_THREADS])
+        try:
+            deadline = time.monotonic() + 10
+            while not compute_threads(spin.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (batch,) = compute_threads(spin.pid)
+            assert caps.cap(spin.pid), caps.unavailable
+            assert caps.scope == "compute threads"
+            time.sleep(0.3)
+            before, wall0 = {t: _thread_cpu_s(spin.pid, t) for t in (spin.pid, batch)}, time.monotonic()
+            time.sleep(1.5)
+            wall = time.monotonic() - wall0
+            share = {t: (_thread_cpu_s(spin.pid, t) - cpu) / wall for t, cpu in before.items()}
+        finally:
+            spin.kill()
+            spin.wait()
+        groups = caps.groups
+    assert 0.1 < share[batch] < 0.3, share
+    assert share[spin.pid] > 0.5, share  # the normal thread is not held to the cap
+    assert groups and not any(g.exists() for g in groups)
