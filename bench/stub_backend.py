@@ -273,7 +273,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="16-token blocks of the prefix cache whose hits usage reports (0: report none)")
     parser.add_argument("--fail-status", type=int, default=None,
                         help="answer every generation request with this HTTP status (failover tests)")
+    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="normal",
+                        help="'batch': the stub runs as a built-in replica's compute does (SCHED_BATCH, nice 5; "
+                             "replica/cpu_policy.py), so that a router on the same cores is not preempted by "
+                             "the backend it wakes, as it would not be by a backend on another machine")
     args = parser.parse_args(argv)
+    if args.cpu_policy == "batch":
+        from replica.cpu_policy import apply_to_current_thread
+        apply_to_current_thread("batch")
     if args.output_tokens < 1:
         parser.error("--output-tokens must be at least 1")
 
@@ -319,11 +326,14 @@ class StubProcess:
     Ready means it printed its address, i.e. it accepts connections; stopped on exit, always."""
 
     def __init__(self, *, port: int = 0, model: str = "stub", output_tokens: int = 16, tokenizer_dir=None,
-                 stderr=None, ready_timeout_s: float = 120.0, fail_status: int | None = None):
+                 stderr=None, ready_timeout_s: float = 120.0, fail_status: int | None = None,
+                 cpu_policy: str | None = None):
         self.argv = [sys.executable, "-m", "bench.stub_backend", "--port", str(port), "--model", model,
                      "--output-tokens", str(output_tokens)]
         if fail_status is not None:
             self.argv += ["--fail-status", str(fail_status)]
+        if cpu_policy is not None:
+            self.argv += ["--cpu-policy", cpu_policy]
         if tokenizer_dir is not None:
             self.argv += ["--tokenizer-dir", str(tokenizer_dir)]
         self.stderr = stderr

@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
     parser.add_argument("--window-s", type=float, default=3.0, help="open-loop window per router")
     parser.add_argument("--windows", type=int, default=3, help="open-loop windows per router and measurement")
+    parser.add_argument("--stub-cpu-policy", choices=("batch", "normal"), default="normal",
+                        help="the stubs' --cpu-policy: 'batch' keeps a woken stub from preempting the router "
+                             "on the cores they share (a remote backend never does)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the kvgate configs here")
     args = parser.parse_args(argv)
     settings = settings_from(args)
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         progress("wrk not found: saturation uses bench/loadgen.py's closed loop instead (apt-get install wrk)")
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-vs-routers-")))
-        stubs = [stack.enter_context(StubProcess(output_tokens=OUTPUT_TOKENS, stderr=subprocess.DEVNULL))
+        stubs = [stack.enter_context(StubProcess(output_tokens=OUTPUT_TOKENS, stderr=subprocess.DEVNULL,
+                                                     cpu_policy=args.stub_cpu_policy))
                  for _ in range(STUBS)]
         stub_urls = [stub.url for stub in stubs]
 
