@@ -215,6 +215,7 @@ def test_metrics_count_requests_and_tokens(gateway):
     before = http("GET", gateway.url + "/metrics")[2]
     request_id = rid()
     gateway.client.completions.create(model="tiny", prompt="count me", max_tokens=4,
+                                      extra_body={"ignore_eos": True},  # 4 tokens, whatever is sampled
                                       extra_headers={"x-request-id": request_id})
     replica = gateway.record(request_id)["replica"]
     after = http("GET", gateway.url + "/metrics")[2]
