@@ -269,12 +269,17 @@ def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_secon
         assert abs(scores["r0"] - PREFILL_WEIGHT * 600 / rate) <= 0.002 + 0.01 * scores["r0"], (scores, rate)
         # One long stream keeps a replica decoding while another request is routed.
         with ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(complete, gateway, prompt(40), "busy", max_tokens=400, ignore_eos=True, stream=True)
+            busy = pool.submit(complete, gateway, prompt(40), "busy", max_tokens=1200, ignore_eos=True, stream=True)
             holder = poll(lambda: next((name for name in ("r0", "r1") if gateway_metric(
                 gateway, "kvgate_requests_in_flight", replica=name) == 1), None), "the long stream running",
                 gateway.server)
-            time.sleep(0.2)  # past its first token: it decodes
-            probe = complete(gateway, prompt(40), "probe")
+            # Probes until one is routed while the stream decodes (past its first token: on a busy
+            # machine that took more than the 0.2 s once waited here), bounded.
+            for attempt in range(40):
+                time.sleep(0.1)
+                probe = complete(gateway, prompt(40), f"probe-{attempt}")
+                if probe["routing"]["load_estimate"][holder]["decoding"] or busy.done():
+                    break
             busy.result(timeout=60)
         estimate = probe["routing"]["load_estimate"][holder]
         assert estimate["decoding"] == 1
