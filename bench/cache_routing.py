@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.cpu_caps import SHARES, CpuCaps
-from bench.loadgen import RequestResult, process_cpu_s
+from bench.loadgen import RequestResult, process_cpu_s, process_tree
 from bench.replay import replay
 from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
 from bench.workloads import WORKLOADS, Selection, Workload, prompt_token_ids, simulate_lru, tiny_bundle
+from replica.cpu_policy import POLICIES
 from tests.servers import ServerStartError, free_port, run_gateway, run_replica
 
 BLOCK = 16
@@ -126,15 +127,6 @@ def metric(url: str, name: str, **labels) -> float:
         if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes `pid` started (a gateway's workers), recursively; [] once it is gone."""
-    import psutil
-    try:
-        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def replica_counters(urls: list[str]) -> list[tuple[float, ...]]:
@@ -244,7 +236,7 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
             front = enter_server(stack, gateway)
             if router == "precise" and not wait_precise(front.url, len(replicas), s.gateway_workers):
                 notes.append("precise mode not confirmed before traffic (kvgate_routing_mode != 1)")
-        pids = [r.proc.pid for r in replicas] + [front.proc.pid] + child_pids(front.proc.pid)  # workers too
+        pids = [r.proc.pid for r in replicas] + process_tree(front.proc.pid)  # the gateway's workers too
         before, machine_before, servers_before = replica_counters(urls), machine_cpu_s(), sum(map(process_cpu_s, pids))
         results, wall_s = replay(front.url, workload.requests, model=MODEL, stream=s.stream)
         machine_after = machine_cpu_s()
@@ -364,12 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-whole-process", action="store_true",
                         help="cap every thread of a replica, its HTTP thread too (default: its compute threads, "
                              "as a device would be; bench/cpu_caps.py says why)")
-    parser.add_argument("--replica-cpu-shares", type=int, default=None,
+    parser.add_argument("--replica-cpu-shares", type=int, default=SHARES,
                         help="the capped compute's cgroup cpu.shares against the host's other work (default "
                              "128: an emulated device yields the CPU to the router; 1024: equal weight)")
     parser.add_argument("--gateway-workers", type=int, default=1,
                         help="kvgate's gateway.workers (processes on one port; default 1)")
-    parser.add_argument("--replica-cpu-policy", choices=("batch", "normal"), default=None,
+    parser.add_argument("--replica-cpu-policy", choices=POLICIES, default=None,
                         help="the replicas' --cpu-policy (default: theirs, batch): 'normal' lets a replica's "
                              "compute thread preempt the router on the cores they share")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
@@ -387,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     s.replica_cpu_policy = args.replica_cpu_policy
     s.gateway_workers = args.gateway_workers
     s.cap_whole_process = args.cap_whole_process
-    if args.replica_cpu_shares is not None:
-        s.replica_cpu_shares = args.replica_cpu_shares
+    s.replica_cpu_shares = args.replica_cpu_shares
     s.replica_cpu = (round(0.8 * (os.cpu_count() or 1) / s.replicas, 2) if args.replica_cpu is None
                      else args.replica_cpu)
     selection = Selection.from_args(args)

@@ -92,6 +92,15 @@ def arrival_offsets_s(rate_rps: float, duration_s: float, arrivals: str = "poiss
 
 # -- CPU accounting --------------------------------------------------------------------------
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and the processes it started, recursively (a gateway's workers); [pid] once it is gone."""
+    import psutil
+    try:
+        return [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return [pid]
+
+
 def process_cpu_s(pid: int) -> float:
     """utime + stime of one process (all its threads) from /proc/<pid>/stat, in seconds; 0.0 if gone."""
     try:

@@ -37,6 +37,7 @@ from protocol.http import openai_errors
 from protocol.requests import (ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion,
                                message_dicts, requested_max_tokens, single_prompt)
 from protocol.sse import DONE_EVENT, event
+from replica.cpu_policy import POLICIES, apply_to_current_thread
 from tokenization.bundle import TokenizerBundle
 
 _json = msgspec.json.Encoder()
@@ -273,13 +274,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="16-token blocks of the prefix cache whose hits usage reports (0: report none)")
     parser.add_argument("--fail-status", type=int, default=None,
                         help="answer every generation request with this HTTP status (failover tests)")
-    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="normal",
+    parser.add_argument("--cpu-policy", choices=POLICIES, default="normal",
                         help="'batch': the stub runs as a built-in replica's compute does (SCHED_BATCH, nice 5; "
                              "replica/cpu_policy.py), so that a router on the same cores is not preempted by "
                              "the backend it wakes, as it would not be by a backend on another machine")
     args = parser.parse_args(argv)
     if args.cpu_policy == "batch":
-        from replica.cpu_policy import apply_to_current_thread
         apply_to_current_thread("batch")
     if args.output_tokens < 1:
         parser.error("--output-tokens must be at least 1")

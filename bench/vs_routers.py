@@ -43,10 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.gateway_overhead import PROMPT, check_answers
-from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_s, start_bench
+from bench.loadgen import (LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_s, process_tree,
+                           start_bench)
 from bench.routers import (RouterUnavailable, run_sglang_router, run_vllm_router, sglang_router_python,
                            vllm_router_python)
 from bench.stub_backend import StubProcess
+from replica.cpu_policy import POLICIES
 from tests.servers import ServerStartError, free_port, run_gateway
 
 STUBS = 4
@@ -90,11 +92,7 @@ class Router:
     ttfb: list[PhaseResult] = field(default_factory=list)
 
     def pids(self) -> list[int]:
-        import psutil
-        try:
-            return [self.pid] + [child.pid for child in psutil.Process(self.pid).children(recursive=True)]
-        except psutil.Error:
-            return [self.pid]
+        return process_tree(self.pid)
 
     def cpu_us_per_request(self, workload: str) -> float:
         served = self.served[workload]
@@ -338,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
     parser.add_argument("--window-s", type=float, default=3.0, help="open-loop window per router")
     parser.add_argument("--windows", type=int, default=3, help="open-loop windows per router and measurement")
-    parser.add_argument("--stub-cpu-policy", choices=("batch", "normal"), default="normal",
+    parser.add_argument("--stub-cpu-policy", choices=POLICIES, default="normal",
                         help="the stubs' --cpu-policy: 'batch' keeps a woken stub from preempting the router "
                              "on the cores they share (a remote backend never does)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the kvgate configs here")

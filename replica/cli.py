@@ -9,6 +9,7 @@ import sys
 
 import structlog
 
+from replica.cpu_policy import POLICIES
 from replica.memory import bound_heap_retention, page_out_file_mappings, return_freed_heap
 
 ROLES = ("mixed", "prefill", "decode")
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="batch",
+    parser.add_argument("--cpu-policy", choices=POLICIES, default="batch",
                         help="Linux scheduling policy of the engine's compute threads: 'batch' (SCHED_BATCH: "
                              "same CPU share, but a wake-up does not preempt a co-located gateway's event "
                              "loop) or 'normal'")

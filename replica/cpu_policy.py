@@ -26,12 +26,17 @@ POLICIES = ("batch", "normal")
 BATCH_NICE = 5
 
 
+def checked(policy: str) -> str:
+    """`policy` if it is one of POLICIES, else ValueError naming them."""
+    if policy not in POLICIES:
+        raise ValueError(f"cpu policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    return policy
+
+
 def apply_to_current_thread(policy: str) -> bool:
     """Set the calling thread's scheduling policy; False where the OS has no SCHED_BATCH or refuses
     (then the thread keeps the policy it had: serving works the same, only wake-ups differ)."""
-    if policy not in POLICIES:
-        raise ValueError(f"cpu policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    wanted = getattr(os, "SCHED_BATCH" if policy == "batch" else "SCHED_OTHER", None)
+    wanted = getattr(os, "SCHED_BATCH" if checked(policy) == "batch" else "SCHED_OTHER", None)
     if wanted is None or not hasattr(os, "sched_setscheduler"):
         return False
     try:

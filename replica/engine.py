@@ -37,7 +37,7 @@ import torch
 
 from protocol.errors import BadRequest, Overloaded, Unavailable
 from replica.block_pool import BlockPool
-from replica.cpu_policy import POLICIES, apply_to_current_thread
+from replica.cpu_policy import apply_to_current_thread, checked
 from replica.kv_codec import StagedKV, unpack_blocks
 from replica.kv_pins import DEFAULT_LEASE_S, KVPin, PinTable, prompt_digest
 from replica.liveness import EngineLiveness
@@ -161,10 +161,7 @@ class Engine:
         self._shared_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.liveness = liveness or EngineLiveness()
         self._on_fatal = on_fatal  # called (from the worker) if it dies: the process should end
-        if cpu_policy is not None and cpu_policy not in POLICIES:
-            raise ValueError(f"cpu_policy must be one of {', '.join(POLICIES)}, not {cpu_policy!r}")
-        self.cpu_policy = cpu_policy
-        self.cpu_policy_applied = False
+        self.cpu_policy = None if cpu_policy is None else checked(cpu_policy)  # refused here, not in the thread
         self._thread = threading.Thread(target=self._run, name="replica-engine", daemon=True)
 
     # -- asyncio side ---------------------------------------------------------------------------
@@ -278,8 +275,7 @@ class Engine:
 
     def _run(self) -> None:
         if self.cpu_policy is not None:  # before the first torch op: its worker threads inherit it
-            self.cpu_policy_applied = apply_to_current_thread(self.cpu_policy)
-            if not self.cpu_policy_applied:
+            if not apply_to_current_thread(self.cpu_policy):
                 log.warning("cpu_policy_not_applied", policy=self.cpu_policy,
                             reason="the OS refused or lacks it; the engine keeps the default policy")
         try:
