@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MIX 0x9E3779B97F4A7C15ULL
 #define SLOTS 4
@@ -46,8 +47,8 @@ static inline uint64_t held_of(const uint64_t *lines, const guess_record *record
     return 0;
 }
 
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0)
+static int get_buffer_flags(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what, int flags) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | flags) < 0)
         return -1;
     if (view->len % itemsize) {
         PyBuffer_Release(view);
@@ -56,6 +57,10 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const
         return -1;
     }
     return 0;
+}
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    return get_buffer_flags(obj, view, itemsize, what, 0);
 }
 
 /* match_lengths(lines, records, keys, want, oldest_live, bits) -> list[int]
@@ -142,7 +147,441 @@ static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t
     return out;
 }
 
+
+/* ---- updates: PrefixTable.insert and .remove, step for step what the Python paths do -------------
+ * (PrefixTable._insert_small, _ring_slots_small, _place_small then _place, _drop_bit_small; the
+ * tests run the same operations through both and compare every array of the table). */
+
+typedef struct {
+    uint64_t *lines;       /* [nb * 8]: key, held, ... */
+    guess_record *records; /* [nb * 4] */
+    uint64_t nb;
+    int64_t *sizes;        /* [64] blocks held per replica bit; written follows at +64 */
+} table_view;
+
+static inline uint64_t *key_at(const table_view *t, int64_t slot) {
+    return t->lines + (slot >> 2) * (2 * SLOTS) + 2 * (slot & 3);
+}
+
+static inline void choices(const table_view *t, uint64_t key, uint64_t out[2]) {
+    uint64_t mixed = key * MIX;
+    out[0] = ((mixed & 0xFFFFFFFFULL) * t->nb) >> 32;
+    out[1] = ((mixed >> 32) * t->nb) >> 32;
+}
+
+/* Flat slot of key, or -1. */
+static int64_t find_slot(const table_view *t, uint64_t key) {
+    uint64_t b[2];
+    choices(t, key, b);
+    for (int c = 0; c < 2; c++) {
+        const uint64_t *line = t->lines + b[c] * (2 * SLOTS);
+        for (int lane = 0; lane < SLOTS; lane++)
+            if (line[2 * lane] == key)
+                return (int64_t)(b[c] * SLOTS + lane);
+    }
+    return -1;
+}
+
+/* _drop_bit_small for one slot: 1 when the replica held it. */
+static int drop_bit(table_view *t, int64_t slot, uint64_t bit) {
+    uint64_t *k = key_at(t, slot);
+    if (!(k[1] & bit))
+        return 0;
+    k[1] &= ~bit;
+    t->records[slot].guessed &= ~bit;
+    if (!k[1])
+        k[0] = 0;
+    return 1;
+}
+
+/* A set of nonzero uint64 keys, open addressing (the prompt's keys: dedupe and "protect"). */
+typedef struct {
+    uint64_t *cells;
+    uint64_t mask;
+} key_set;
+
+static int set_init(key_set *s, Py_ssize_t n, uint64_t *stack_cells, uint64_t stack_size) {
+    uint64_t size = 16;
+    while (size < (uint64_t)n * 2)
+        size <<= 1;
+    if (size <= stack_size) {
+        s->cells = stack_cells;
+        memset(stack_cells, 0, size * sizeof(uint64_t));
+    } else {
+        s->cells = PyMem_Calloc(size, sizeof(uint64_t));
+        if (s->cells == NULL)
+            return -1;
+    }
+    s->mask = size - 1;
+    return 0;
+}
+
+/* 1 if key was added, 0 if present. */
+static int set_add(key_set *s, uint64_t key) {
+    uint64_t i = (key * MIX) >> 40 & s->mask;
+    while (s->cells[i]) {
+        if (s->cells[i] == key)
+            return 0;
+        i = (i + 1) & s->mask;
+    }
+    s->cells[i] = key;
+    return 1;
+}
+
+static int set_has(const key_set *s, uint64_t key) {
+    uint64_t i = (key * MIX) >> 40 & s->mask;
+    while (s->cells[i]) {
+        if (s->cells[i] == key)
+            return 1;
+        i = (i + 1) & s->mask;
+    }
+    return 0;
+}
+
+static int count_keys(const table_view *t, uint64_t bucket) {
+    const uint64_t *line = t->lines + bucket * (2 * SLOTS);
+    int n = 0;
+    for (int lane = 0; lane < SLOTS; lane++)
+        n += line[2 * lane] != 0;
+    return n;
+}
+
+/* _place_small / _place: keys (sorted, not in the table) into their less-full bucket as the buckets
+ * stood before the round (first choice when equal), then the other as they stand after it; still no
+ * room (_evict_into): the slot of the 8 with the oldest stamp is forgotten (every holder's size
+ * drops) and taken. */
+static int place(table_view *t, uint64_t *keys, Py_ssize_t n, uint64_t held, uint64_t guessed, uint32_t stamp) {
+    int *fills = PyMem_Malloc(sizeof(int) * 2 * (size_t)(n ? n : 1));
+    if (fills == NULL)
+        return -1;
+    for (int attempt = 0; attempt < 2 && n; attempt++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t b[2];
+            choices(t, keys[i], b);
+            fills[2 * i] = count_keys(t, b[0]);
+            fills[2 * i + 1] = count_keys(t, b[1]);
+        }
+        Py_ssize_t left = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t b[2];
+            choices(t, keys[i], b);
+            int f1 = fills[2 * i], f2 = fills[2 * i + 1];
+            uint64_t bucket = (attempt == 0 ? f1 <= f2 : f1 > f2) ? b[0] : b[1];
+            uint64_t *line = t->lines + bucket * (2 * SLOTS);
+            int lane = 0;
+            while (lane < SLOTS && line[2 * lane])
+                lane++;
+            if (lane == SLOTS) {
+                keys[left++] = keys[i];
+                continue;
+            }
+            line[2 * lane] = keys[i];
+            line[2 * lane + 1] = held;
+            guess_record *r = t->records + bucket * SLOTS + lane;
+            r->guessed = guessed;
+            r->stamp = stamp;
+        }
+        n = left;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t b[2];
+        choices(t, keys[i], b);
+        int64_t victim = -1;
+        uint32_t oldest = 0;
+        for (int c = 0; c < 2; c++)
+            for (int lane = 0; lane < SLOTS; lane++) {
+                int64_t slot = (int64_t)(b[c] * SLOTS + lane);
+                if (victim < 0 || t->records[slot].stamp < oldest) {
+                    victim = slot;
+                    oldest = t->records[slot].stamp;
+                }
+            }
+        uint64_t *k = key_at(t, victim);
+        for (uint64_t mask = k[1]; mask; mask &= mask - 1)
+            t->sizes[__builtin_ctzll(mask)] -= 1;
+        k[0] = keys[i];
+        k[1] = held;
+        t->records[victim].guessed = guessed;
+        t->records[victim].stamp = stamp;
+    }
+    PyMem_Free(fills);
+    return 0;
+}
+
+/* _ring_slots_small: `need` ring positions for new entries, unused ones first, then CLOCK victims
+ * (a live entry touched since the hand last passed, or one of the keys being inserted, is passed
+ * over and marked; the victims' bits are dropped once their window is done). */
+static int ring_slots(table_view *t, uint64_t *ring_hashes, uint32_t *ring_seen, int64_t *ring_pos,
+                      Py_ssize_t capacity, uint64_t bit, Py_ssize_t need, uint32_t tick,
+                      const key_set *protect, int64_t *out) {
+    int index = __builtin_ctzll(bit);
+    Py_ssize_t fill = (Py_ssize_t)ring_pos[0], hand = (Py_ssize_t)ring_pos[1];
+    Py_ssize_t take = need < capacity - fill ? need : capacity - fill;
+    Py_ssize_t got = 0;
+    for (; got < take; got++)
+        out[got] = fill + got;
+    ring_pos[0] = fill + take;
+    need -= take;
+    if (need <= 0)
+        return 0;
+    Py_ssize_t max_width = 2 * need > 64 ? 2 * need : 64;
+    if (max_width > capacity)
+        max_width = capacity;
+    uint8_t *given = PyMem_Calloc((size_t)(capacity + 7) / 8, 1);
+    int64_t *victim_pos = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)max_width);
+    Py_ssize_t *recent = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)max_width);
+    if (given == NULL || victim_pos == NULL || recent == NULL) {
+        PyMem_Free(given);
+        PyMem_Free(victim_pos);
+        PyMem_Free(recent);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int64_t *victim_slot = victim_pos + max_width;
+    for (Py_ssize_t i = 0; i < got; i++)
+        given[out[i] >> 3] |= (uint8_t)(1 << (out[i] & 7));
+    int passes = 0;
+    while (need > 0) {
+        Py_ssize_t width = 2 * need > 64 ? 2 * need : 64;
+        if (width > capacity)
+            width = capacity;
+        Py_ssize_t victims = 0, recents = 0;
+        for (Py_ssize_t offset = 0; offset < width; offset++) {
+            Py_ssize_t position = (hand + offset) % capacity;
+            uint64_t key = ring_hashes[position] ? ring_hashes[position] : 1;
+            int64_t slot = find_slot(t, key);
+            int live = slot >= 0 && (key_at(t, slot)[1] & bit);
+            if (live && ((passes < 2 && t->records[slot].stamp > ring_seen[position])
+                         || (passes < 3 && set_has(protect, key)))) {
+                recent[recents++] = offset;
+            } else if (!(given[position >> 3] & (1 << (position & 7)))) {
+                victim_pos[victims] = position;
+                victim_slot[victims] = live ? slot : -1;
+                victims++;
+                if (victims == need)
+                    break;
+            }
+        }
+        /* the window ends at its last victim (all of it when it has none) */
+        Py_ssize_t last = victims ? (victim_pos[victims - 1] - hand + capacity) % capacity + 1 : width;
+        for (Py_ssize_t r = 0; r < recents; r++)
+            if (recent[r] < last)
+                ring_seen[(hand + recent[r]) % capacity] = tick;
+        int dropped = 0;
+        for (Py_ssize_t v = 0; v < victims; v++) {
+            given[victim_pos[v] >> 3] |= (uint8_t)(1 << (victim_pos[v] & 7));
+            if (victim_slot[v] >= 0)
+                dropped += drop_bit(t, victim_slot[v], bit);
+            out[got++] = victim_pos[v];
+        }
+        t->sizes[index] -= dropped;
+        need -= victims;
+        hand = (hand + last) % capacity;
+        passes += last == width ? 1 : 0;
+    }
+    ring_pos[1] = hand;
+    PyMem_Free(given);
+    PyMem_Free(victim_pos);
+    PyMem_Free(recent);
+    return 0;
+}
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} buffer_hold;
+
+static void release_all(buffer_hold *holds, int n) {
+    for (int i = 0; i < n; i++)
+        if (holds[i].held)
+            PyBuffer_Release(&holds[i].view);
+}
+
+/* The table's arrays are written: writable buffers; the keys only read. */
+static int hold(buffer_hold *h, PyObject *obj, Py_ssize_t itemsize, const char *what) {
+    int keys = strcmp(what, "keys") == 0;
+    if (get_buffer_flags(obj, &h->view, itemsize, what, keys ? 0 : PyBUF_WRITABLE) < 0)
+        return -1;
+    h->held = 1;
+    return 0;
+}
+
+/* insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick) -> int
+ *   ring_pos: int64 [fill, hand]; counts: int64 [2, 64] (blocks held, blocks ever written, per
+ *   replica bit); keys: uint64 block hashes in prompt order. Returns the entries the ring took. */
+static PyObject *insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick)");
+        return NULL;
+    }
+    long index = PyLong_AsLong(args[7]);
+    int guessed = PyObject_IsTrue(args[8]);
+    long long tick_ll = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (index < 0 || index >= 64) {
+        PyErr_SetString(PyExc_ValueError, "index must be in [0, 64)");
+        return NULL;
+    }
+    buffer_hold h[7];
+    memset(h, 0, sizeof h);
+    const char *names[7] = {"lines", "records", "ring_hashes", "ring_seen", "ring_pos", "counts", "keys"};
+    Py_ssize_t sizes[7] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 4, 8, 8, 8};
+    for (int i = 0; i < 7; i++)
+        if (hold(&h[i], args[i], sizes[i], names[i]) < 0) {
+            release_all(h, 7);
+            return NULL;
+        }
+    table_view t = {h[0].view.buf, h[1].view.buf, (uint64_t)(h[0].view.len / (8 * 2 * SLOTS)), h[5].view.buf};
+    uint64_t *ring_hashes = h[2].view.buf;
+    uint32_t *ring_seen = h[3].view.buf;
+    int64_t *ring_pos = h[4].view.buf;
+    const uint64_t *in = h[6].view.buf;
+    Py_ssize_t n_in = h[6].view.len / 8, capacity = h[2].view.len / 8;
+    if (h[1].view.len / (Py_ssize_t)sizeof(guess_record) != (Py_ssize_t)t.nb * SLOTS || h[3].view.len / 4 != capacity
+        || h[4].view.len != 16 || h[5].view.len != 8 * 128 || t.nb == 0 || capacity == 0) {
+        release_all(h, 7);
+        PyErr_SetString(PyExc_ValueError, "insert: array sizes do not fit together");
+        return NULL;
+    }
+    uint64_t bit = 1ULL << index;
+    uint32_t tick = (uint32_t)(tick_ll < 0 ? 0 : tick_ll > 0xFFFFFFFFLL ? 0xFFFFFFFFLL : tick_ll);
+    uint64_t stack_cells[256];
+    key_set protect;
+    uint64_t *keys = NULL, *entries = NULL, *fresh = NULL;
+    int64_t *slots = NULL;
+    Py_ssize_t added = 0;
+    if (set_init(&protect, n_in, stack_cells, 256) < 0) {
+        release_all(h, 7);
+        return PyErr_NoMemory();
+    }
+    keys = PyMem_Malloc(sizeof(uint64_t) * 3 * (size_t)(n_in ? n_in : 1));
+    slots = PyMem_Malloc(sizeof(int64_t) * (size_t)(n_in ? n_in : 1));
+    if (keys == NULL || slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    entries = keys + n_in;
+    fresh = entries + n_in;
+    /* _ring_order: distinct keys, the prompt's last block first; the earliest `capacity` kept. */
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = n_in - 1; i >= 0; i--) {
+        uint64_t key = in[i] ? in[i] : 1;
+        if (set_add(&protect, key))
+            keys[n++] = key;
+    }
+    if (n > capacity) {
+        memmove(keys, keys + (n - capacity), sizeof(uint64_t) * (size_t)capacity);
+        n = capacity;
+        memset(protect.cells, 0, sizeof(uint64_t) * (size_t)(protect.mask + 1));
+        for (Py_ssize_t i = 0; i < n; i++)
+            set_add(&protect, keys[i]);
+    }
+    Py_ssize_t n_entries = 0, n_fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = find_slot(&t, keys[i]);
+        if (slot < 0) {
+            fresh[n_fresh++] = keys[i];
+            entries[n_entries++] = keys[i];
+            continue;
+        }
+        uint64_t *k = key_at(&t, slot);
+        guess_record *r = t.records + slot;
+        if (!(k[1] & bit)) {
+            k[1] |= bit;
+            entries[n_entries++] = keys[i];
+            if (guessed)
+                r->guessed |= bit;
+        }
+        if (!guessed)
+            r->guessed &= ~bit;
+        r->stamp = tick;
+    }
+    if (n_entries == 0)
+        goto done;
+    if (ring_slots(&t, ring_hashes, ring_seen, ring_pos, capacity, bit, n_entries, tick, &protect, slots) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n_entries; i++) {
+        ring_hashes[slots[i]] = entries[i];
+        ring_seen[slots[i]] = tick;
+    }
+    t.sizes[index] += n_entries;
+    t.sizes[64 + index] += n_entries;
+    added = n_entries;
+    if (n_fresh) {
+        /* sorted, as the Python paths place them */
+        for (Py_ssize_t i = 1; i < n_fresh; i++) {
+            uint64_t key = fresh[i];
+            Py_ssize_t j = i;
+            while (j > 0 && fresh[j - 1] > key) {
+                fresh[j] = fresh[j - 1];
+                j--;
+            }
+            fresh[j] = key;
+        }
+        if (place(&t, fresh, n_fresh, bit, guessed ? bit : 0, tick) < 0)
+            PyErr_NoMemory();
+    }
+done:
+    if (protect.cells != stack_cells)
+        PyMem_Free(protect.cells);
+    PyMem_Free(keys);
+    PyMem_Free(slots);
+    release_all(h, 7);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(added);
+}
+
+/* remove(lines, records, counts, keys, index) -> int: the replica no longer holds these blocks
+ * (duplicates and blocks it did not hold are ignored). Returns how many it held. */
+static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "remove(lines, records, counts, keys, index)");
+        return NULL;
+    }
+    long index = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (index < 0 || index >= 64) {
+        PyErr_SetString(PyExc_ValueError, "index must be in [0, 64)");
+        return NULL;
+    }
+    buffer_hold h[4];
+    memset(h, 0, sizeof h);
+    const char *names[4] = {"lines", "records", "counts", "keys"};
+    Py_ssize_t sizes[4] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 8};
+    for (int i = 0; i < 4; i++)
+        if (hold(&h[i], args[i], sizes[i], names[i]) < 0) {
+            release_all(h, 4);
+            return NULL;
+        }
+    table_view t = {h[0].view.buf, h[1].view.buf, (uint64_t)(h[0].view.len / (8 * 2 * SLOTS)), h[2].view.buf};
+    if (h[1].view.len / (Py_ssize_t)sizeof(guess_record) != (Py_ssize_t)t.nb * SLOTS || h[2].view.len != 8 * 128
+        || t.nb == 0) {
+        release_all(h, 4);
+        PyErr_SetString(PyExc_ValueError, "remove: array sizes do not fit together");
+        return NULL;
+    }
+    const uint64_t *keys = h[3].view.buf;
+    Py_ssize_t n = h[3].view.len / 8, dropped = 0;
+    uint64_t bit = 1ULL << index;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = find_slot(&t, keys[i] ? keys[i] : 1);
+        if (slot >= 0)
+            dropped += drop_bit(&t, slot, bit);
+    }
+    t.sizes[index] -= dropped;
+    release_all(h, 4);
+    return PyLong_FromSsize_t(dropped);
+}
+
 static PyMethodDef methods[] = {
+    {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL,
+     "Record that a replica holds these blocks (see PrefixTable.insert)."},
+    {"remove", (PyCFunction)(void (*)(void))remove_keys, METH_FASTCALL,
+     "A replica no longer holds these blocks (see PrefixTable.remove)."},
     {"match_lengths", (PyCFunction)(void (*)(void))match_lengths, METH_FASTCALL,
      "Matched prefix length in blocks of each candidate (see routing/prefix_table.py)."},
     {NULL, NULL, 0, NULL},

@@ -55,6 +55,11 @@ def _int_keys(hashes) -> list[int]:
     return [int(key) or 1 for key in (hashes.tolist() if isinstance(hashes, np.ndarray) else hashes)]
 
 
+def _u64(hashes) -> np.ndarray:
+    """Block hashes as a uint64 array for the C calls (which read a 0 as the 1 it is stored as)."""
+    return hashes if isinstance(hashes, np.ndarray) and hashes.dtype == _U64 else np.asarray(hashes, dtype=_U64)
+
+
 class PrefixTableError(ValueError):
     pass
 
@@ -80,13 +85,29 @@ def as_block_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
 
 class _Ring:
     """One replica's blocks in CLOCK order. Entries whose replica bit is gone are free."""
-    __slots__ = ("hashes", "seen", "fill", "hand")
+    __slots__ = ("hashes", "seen", "pos")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.hashes = np.zeros(capacity_blocks, dtype=_U64)
         self.seen = np.zeros(capacity_blocks, dtype=np.uint32)  # tick the entry was written or passed
-        self.fill = 0
-        self.hand = 0
+        self.pos = np.zeros(2, dtype=np.int64)  # [fill, hand], in an array the C insert updates
+
+    @property
+    def fill(self) -> int:
+        """Positions used so far (they fill in order, then the CLOCK hand reuses them)."""
+        return int(self.pos[0])
+
+    @fill.setter
+    def fill(self, value: int) -> None:
+        self.pos[0] = value
+
+    @property
+    def hand(self) -> int:
+        return int(self.pos[1])
+
+    @hand.setter
+    def hand(self, value: int) -> None:
+        self.pos[1] = value
 
 
 class PrefixTable:
@@ -98,8 +119,10 @@ class PrefixTable:
         self._index: dict[str, int] = {}      # replica name -> bit
         self._bits = [None] * MAX_REPLICAS    # bit -> replica name
         self._rings: dict[str, _Ring] = {}
-        self._sizes: dict[str, int] = {}
-        self._written: dict[str, int] = {}    # blocks that became the replica's, ever: its cache turnover
+        # Per replica bit: blocks the table records for it, and blocks that ever became its (its
+        # cache turnover), in one array the C insert updates.
+        self._counts = np.zeros((2, MAX_REPLICAS), dtype=np.int64)
+        self._sizes, self._written = self._counts
         self._capacities: dict[str, int] = {}
         self._bits_memo: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
         self._guessing = 0  # bits of replicas that may hold guesses (set by guessed inserts)
@@ -119,8 +142,7 @@ class PrefixTable:
         self._bits_memo.clear()
         self._bits[free[0]] = replica
         self._rings[replica] = _Ring(capacity_blocks)
-        self._sizes[replica] = 0
-        self._written[replica] = 0
+        self._counts[:, free[0]] = 0
         self._capacities[replica] = capacity_blocks
         total = sum(len(r.hashes) for r in self._rings.values())
         if self._buckets_for(total) > self._nb:
@@ -134,7 +156,8 @@ class PrefixTable:
         self._bits_memo.clear()
         self._bits[bit] = None
         self._guessing &= ~(1 << bit)
-        del self._rings[replica], self._sizes[replica], self._capacities[replica], self._written[replica]
+        self._counts[:, bit] = 0
+        del self._rings[replica], self._capacities[replica]
 
     def resize(self, replica: str, capacity_blocks: int, now: float) -> None:
         """Give the replica a ring of `capacity_blocks` (its real KV capacity, learned late),
@@ -171,18 +194,18 @@ class PrefixTable:
 
     def fills(self, replicas: Sequence[str]) -> list[float]:
         """Fraction of each replica's capacity the table records as held (0 = empty cache)."""
-        sizes, capacities = self._sizes, self._capacities
-        return [sizes[name] / capacities[name] for name in replicas]
+        sizes, capacities, index = self._sizes.tolist(), self._capacities, self._index
+        return [sizes[index[name]] / capacities[name] for name in replicas]
 
     def written(self, replicas: Sequence[str]) -> list[int]:
         """Blocks recorded as newly held by each replica since it was added (guessed or from its KV
         events, each block once until it is evicted): what its cache has taken in."""
-        written = self._written
-        return [written[name] for name in replicas]
+        written, index = self._written.tolist(), self._index
+        return [written[index[name]] for name in replicas]
 
     def size(self, replica: str) -> int:
         """Blocks the table records for this replica (guessed ones included until evicted)."""
-        return self._sizes[replica]
+        return int(self._sizes[self._index[replica]])
 
     def memory_bytes(self) -> int:
         """Bytes held by the table's arrays (slots + rings); Python object overhead is constant."""
@@ -310,8 +333,19 @@ class PrefixTable:
     def insert(self, replica: str, hashes, guessed: bool, now: float) -> None:
         """Record that `replica` holds these blocks (guessed: from a routing decision).
 
-        A guess never downgrades a block a KV event confirmed; a confirmation clears the guess."""
+        A guess never downgrades a block a KV event confirmed; a confirmation clears the guess.
+        One C call where routing/_prefix_match.c was built (a few us; the Python paths below, the
+        reference, took 150-200 us for a 14-block prompt new to the replica, on every request)."""
         ring = self._rings[replica]
+        if self.native and _native is not None:
+            keys = _u64(hashes)
+            if keys.size:
+                index = self._index[replica]
+                if guessed:
+                    self._guessing |= 1 << index
+                _native.insert(self._lines, self._gs, ring.hashes, ring.seen, ring.pos, self._counts, keys, index,
+                               guessed, self._tick(now))
+            return
         if len(hashes) <= _SMALL_INSERT:
             self._insert_small(replica, ring, hashes, guessed, now)
             return
@@ -347,8 +381,9 @@ class PrefixTable:
             slots = self._ring_slots(replica, ring, bit, ring_entries.size, tick, protect=keys)
         ring.hashes[slots] = ring_entries
         ring.seen[slots] = tick
-        self._sizes[replica] += int(ring_entries.size)
-        self._written[replica] += int(ring_entries.size)
+        index = self._index[replica]
+        self._sizes[index] += int(ring_entries.size)
+        self._written[index] += int(ring_entries.size)
         if new_keys.size:
             self._place(np.sort(new_keys), bit, bit if guessed else _U64(0), tick)
 
@@ -389,8 +424,8 @@ class PrefixTable:
         for slot, key in zip(slots, entries):
             ring.hashes[slot] = key
             ring.seen[slot] = tick
-        self._sizes[replica] += len(entries)
-        self._written[replica] += len(entries)
+        self._sizes[index] += len(entries)
+        self._written[index] += len(entries)
         if new_keys:
             self._place_small(sorted(new_keys), bit, bit if guessed else 0, tick)
 
@@ -414,7 +449,7 @@ class PrefixTable:
         """_place for a few keys not in the table, in scalar Python, slot for slot as _place puts
         them: each key's less-full bucket as both stood before this call (the first choice when
         equally full), lanes in key order; the keys that found it full, then the other bucket as
-        the buckets stand after that round; both full (rare) goes through _place's eviction."""
+        the buckets stand after that round; still no room (rare): _evict_into."""
         lines = self._lines
         pending = [(key, *self._choices(key)) for key in keys]
         for attempt in range(2):
@@ -436,12 +471,15 @@ class PrefixTable:
                 self._guessed[slot] = guessed
                 self._stamp[slot] = stamp
             pending = left
-        if pending:
-            self._place(np.array([key for key, _, _ in pending], dtype=_U64), _U64(held), _U64(guessed),
-                        np.uint32(stamp))
+        for key, _, _ in pending:
+            self._evict_into(key, held, guessed, stamp)
 
     def remove(self, replica: str, hashes) -> None:
         """The replica evicted these blocks (BlockRemoved)."""
+        if self.native and _native is not None:
+            keys = _u64(hashes)
+            _native.remove(self._lines, self._gs, self._counts, keys, self._index[replica])
+            return
         if len(hashes) <= _SMALL_INSERT:  # one engine step's evictions: scalar (numpy's calls cost ~40 us)
             slots = {self._find_one(key)[0] for key in _int_keys(hashes)}
             slots.discard(-1)
@@ -570,20 +608,25 @@ class PrefixTable:
             self._guessed[slot] = guessed[who]
             self._stamp[slot] = stamp[who]
             pending = np.sort(pending[order][~ok])
-        for i in pending:  # both buckets full: drop their least recently touched block (rare)
-            first, second = self._buckets(keys[i:i + 1])[0]
-            idx = np.r_[first * SLOTS_PER_BUCKET + self._lane, second * SLOTS_PER_BUCKET + self._lane]
-            victim = idx[np.argmin(self._stamp[idx])]
-            self._forget_slot(int(victim))
-            self._keys[_cell(victim)], self._held[_cell(victim)] = keys[i], held[i]
-            self._guessed[victim], self._stamp[victim] = guessed[i], stamp[i]
+        for i in pending:
+            self._evict_into(keys[i], held[i], guessed[i], stamp[i])
+
+    def _evict_into(self, key, held, guessed, stamp) -> None:
+        """A key that found no room in its two buckets (rare) takes the slot of their least
+        recently touched block (the first such of the 8), which every holder loses."""
+        first, second = self._choices(int(key))
+        idx = np.r_[first * SLOTS_PER_BUCKET + self._lane, second * SLOTS_PER_BUCKET + self._lane]
+        victim = idx[np.argmin(self._stamp[idx])]
+        self._forget_slot(int(victim))
+        self._keys[_cell(victim)], self._held[_cell(victim)] = key, held
+        self._guessed[victim], self._stamp[victim] = guessed, stamp
 
     def _forget_slot(self, slot: int) -> None:
         cell = _cell(slot)
         mask = int(self._held[cell])
         while mask:
             low = mask & -mask
-            self._sizes[self._bits[low.bit_length() - 1]] -= 1
+            self._sizes[low.bit_length() - 1] -= 1
             mask ^= low
         self._keys[cell] = self._held[cell] = self._guessed[slot] = 0
 
@@ -597,7 +640,7 @@ class PrefixTable:
         self._guessed[pos] &= ~bit
         emptied = pos[self._held[cell] == 0]
         self._keys[_cell(emptied)] = 0
-        self._sizes[replica] -= int(pos.size)
+        self._sizes[self._index[replica]] -= int(pos.size)
 
     def _drop_bit_small(self, replica: str, slots) -> None:
         """_drop_bit for a few distinct flat slots, in scalar Python."""
@@ -615,7 +658,7 @@ class PrefixTable:
             if not held:
                 lines[bucket, 2 * lane] = 0
             dropped += 1
-        self._sizes[replica] -= dropped
+        self._sizes[self._index[replica]] -= dropped
 
     def _ring_slots_small(self, replica: str, ring: _Ring, bit: int, need: int, tick: int,
                           protect: set[int]) -> list[int]:

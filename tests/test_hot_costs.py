@@ -15,9 +15,9 @@ from routing.prefix_table import PrefixTable
 from tests.test_gateway import metric
 
 
-def _tables(expected_blocks: int = 4096) -> tuple[PrefixTable, PrefixTable]:
+def _tables(expected_blocks: int, count: int) -> list[PrefixTable]:
     tables = []
-    for _ in range(2):
+    for _ in range(count):
         table = PrefixTable(expected_blocks=expected_blocks, guess_ttl_s=300.0)
         for name in ("a", "b", "c"):
             table.add_replica(name, 64)
@@ -27,36 +27,45 @@ def _tables(expected_blocks: int = 4096) -> tuple[PrefixTable, PrefixTable]:
 
 def _state(table: PrefixTable) -> tuple:
     rings = {name: (ring.hashes.tolist(), ring.seen.tolist(), ring.fill, ring.hand) for name, ring in table._rings.items()}
-    return (table._lines.tolist(), table._gs.tolist(), rings, dict(table._sizes), table._guessing)
+    return (table._lines.tolist(), table._gs.tolist(), rings, table._counts.tolist(), table._guessing)
 
 
+PATHS = ["scalar"] + (["C"] if prefix_table._native is not None else [])
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("expected_blocks", [4096, 64])  # 64: buckets overflow (second choice, eviction)
-def test_the_scalar_touch_and_small_insert_leave_the_table_as_the_array_path_does(monkeypatch, expected_blocks):
-    """Inserts and removals of up to 16 blocks (every short prompt's guess, a replica's KV event
-    batch of one engine step) run in scalar Python: slot for slot what the numpy path writes, ring
-    evictions (CLOCK second chances, the hand, passes) and full buckets included."""
-    fast, slow = _tables(expected_blocks)
+def test_the_small_and_c_inserts_leave_the_table_as_the_array_path_does(monkeypatch, expected_blocks, path):
+    """Inserts and removals run in C where routing/_prefix_match.c is built, else in scalar Python
+    up to 16 blocks (every short prompt's guess, a replica's KV event batch of one engine step):
+    slot for slot what the numpy path writes, ring evictions (CLOCK second chances, the hand,
+    passes), full buckets and the sizes and turnover counts included."""
+    fast, slow = _tables(expected_blocks, 2)
+    fast.native = path == "C"
+    slow.native = False
     rng = random.Random(3)
     prompts = [np.array(block_hashes([rng.randrange(500) for _ in range(rng.randrange(16, 200 if i % 2 else 480))]),
                         dtype=np.uint64)
                for i in range(40)]
+
+    def both(op, *args, **kwargs):
+        getattr(fast, op)(*args, **kwargs)
+        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
+        getattr(slow, op)(*args, **kwargs)
+        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 16)
+
     for step in range(600):
         replica, prompt = rng.choice("abc"), rng.choice(prompts)
         guessed, now = rng.random() < 0.7, step * 0.37
         if rng.random() < 0.2:  # a replica's evictions (BlockRemoved): a few blocks take the scalar path too
             start = rng.randrange(len(prompt))
-            removed = prompt[start:start + rng.choice((2, 8, 40))]
-            fast.remove(replica, removed)
-            monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
-            slow.remove(replica, removed)
-            monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 16)
-            assert _state(fast) == _state(slow), step
-            continue
-        fast.insert(replica, prompt, guessed=guessed, now=now)
-        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 0)
-        slow.insert(replica, prompt, guessed=guessed, now=now)
-        monkeypatch.setattr(prefix_table, "_SMALL_INSERT", 16)
+            both("remove", replica, prompt[start:start + rng.choice((2, 8, 40))])
+        elif rng.random() < 0.2:  # a KV event batch arrives as a list of ints
+            both("insert", replica, prompt[:rng.choice((3, 12, 30))].tolist(), guessed=False, now=now)
+        else:
+            both("insert", replica, prompt, guessed=guessed, now=now)
         assert _state(fast) == _state(slow), step
+    assert sum(fast.written(["a", "b", "c"])) > 3 * 64 * 4  # every ring turned over several times
 
 
 @pytest.mark.parametrize("requests", [3, FLUSH_EVERY + 5])
