@@ -23,6 +23,7 @@ class Exchange:
     headers: object          # case-insensitive mapping: .get(name)
     grant: Grant
     streaming = False        # a stream's head went out
+    arrived_s: float | None = None  # perf_counter when the whole request was in (hot path), else None
 
     async def body(self) -> bytes:
         raise NotImplementedError

@@ -84,14 +84,16 @@ class HotPath:
         return cls(app, door)
 
     async def serve(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict, body: bytes,
-                    keep_alive: bool) -> None:
-        """One request, through the front door's steps (gateway/front_door.py, in its order)."""
+                    keep_alive: bool, arrived_s: float | None = None) -> None:
+        """One request, through the front door's steps (gateway/front_door.py, in its order).
+        `arrived_s` (perf_counter): when its last byte was read; its record's times count from
+        there, so they include the wait for the loop behind the requests that came with it."""
         endpoint, decode = _ENDPOINTS[target]
         door = self.door
         request_id = checked_request_id(headers.get("x-request-id")) or new_request_id()
         request = _HotRequest(headers, endpoint)
         request[REQUEST_ID] = request_id
-        exchange = HotExchange(conn, request, request_id, keep_alive, self.hooks)
+        exchange = HotExchange(conn, request, request_id, keep_alive, self.hooks, arrived_s)
         try:
             grant = door.gate.authenticate(request)
         except APIError as err:
@@ -118,7 +120,7 @@ class HotPath:
     async def refuse(self, exchange: "HotExchange", path: str, err: APIError, key: str | None = None) -> None:
         """What FrontDoor._refused does: the request's one record, its metrics, the error."""
         door = self.door
-        record = RequestRecord(exchange.request_id, path)
+        record = RequestRecord(exchange.request_id, path, exchange.arrived_s)
         record.key = key
         record.fail(err.status, err.message)
         door.request_log.emit(record)
@@ -202,10 +204,11 @@ class _HotResponse:
 
 class HotExchange(Exchange):
     __slots__ = ("conn", "request", "request_id", "headers", "grant", "streaming", "body_bytes", "keep_alive",
-                 "hooks", "_held")
+                 "hooks", "_held", "arrived_s")
 
     def __init__(self, conn: "HotProtocol", request: _HotRequest, request_id: str, keep_alive: bool,
-                 hooks: tuple) -> None:
+                 hooks: tuple, arrived_s: float | None = None) -> None:
+        self.arrived_s = arrived_s
         self.conn = conn
         self.request = request
         self.request_id = request_id
@@ -477,7 +480,8 @@ class HotProtocol(asyncio.Protocol):
         self._head = None
         body = buffer[body_at:body_at + length]
         self._buffer = buffer[body_at + length:]
-        task = self._task = self._loop.create_task(self._hot.serve(self, target, headers, body, keep_alive))
+        task = self._task = self._loop.create_task(self._hot.serve(self, target, headers, body, keep_alive,
+                                                                   time.perf_counter()))
         task.add_done_callback(self._request_done)
 
     def _request_done(self, task: asyncio.Task) -> None:

@@ -120,7 +120,7 @@ class Proxy:
     async def handle(self, exchange: Exchange, endpoint: str, decode: Callable[[bytes], AnyRequest]) -> None:
         """Serve one request into `exchange`; emits its one record whatever happens."""
         request_id = exchange.request_id
-        record = RequestRecord(request_id, endpoint)
+        record = RequestRecord(request_id, endpoint, exchange.arrived_s)
         reply_headers = {"x-request-id": request_id}
         self.active += 1
         try:

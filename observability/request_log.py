@@ -28,7 +28,7 @@ class RequestRecord:
                  "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers", "pd",
                  "key", "tenant", "_emitted")
 
-    def __init__(self, request_id: str, endpoint: str) -> None:
+    def __init__(self, request_id: str, endpoint: str, started_s: float | None = None) -> None:
         self.request_id = request_id
         self.endpoint = endpoint
         self.model: str | None = None
@@ -43,7 +43,7 @@ class RequestRecord:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.routing: dict | None = None
-        self.started_s = time.perf_counter()
+        self.started_s = time.perf_counter() if started_s is None else started_s  # its times count from here
         self.routed_s: float | None = None       # its first try's replica chosen (then sent at once)
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None

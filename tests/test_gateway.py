@@ -132,6 +132,7 @@ def test_chat_without_return_token_ids_still_logs_them(gateway):
     assert record["output_token_ids"] == same["choices"][0]["token_ids"]
     assert record["prompt_token_ids"] == same["prompt_token_ids"]
     assert record["completion_tokens"] == len(record["output_token_ids"]) == 6
+    assert 0 < record["routed_ms"] < record["e2e_ms"]  # the gateway's own time before the replica had it
 
 
 @pytest.mark.parametrize("stream", [False, True])
