@@ -9,7 +9,7 @@ import sys
 
 import structlog
 
-from replica.cpu_policy import POLICIES
+from replica.cpu_policy import POLICIES, apply_to_current_thread
 from replica.memory import bound_heap_retention, page_out_file_mappings, return_freed_heap
 
 ROLES = ("mixed", "prefill", "decode")
@@ -196,6 +196,10 @@ async def _serve(args, loaded, defaults, log) -> int:
         log.warning("max_model_len_capped", model_max_len=engine.model_max_len, max_model_len=engine.max_model_len,
                     kv_cache_tokens=engine.pool.num_blocks * args.block_size,
                     hint="one sequence must fit the KV cache: raise --kv-cache-gb for a longer context")
+    # The HTTP (this) thread: batch without a lower priority (replica/cpu_policy.py). After the
+    # model loaded, so the engine's threads are the only ones that inherit it from here.
+    if args.cpu_policy == "batch" and not apply_to_current_thread("batch", lower_priority=False):
+        log.warning("cpu_policy_not_applied", policy="batch", thread="http")
     engine.start()
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
                            vocab_size=loaded.config.vocab_size, sampling_defaults=defaults, role=args.role,
