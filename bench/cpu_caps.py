@@ -18,8 +18,9 @@ on the whole process would also stop a busy replica from reading a new request o
 finished token until its next CFS period (up to 6 ms of every 10 at 0.4 of a core), time a
 router's client sees and the replica's own TTFT does not, and most on the replicas a balanced
 router keeps busy. The built-in replica's compute threads say which they are: they run
-SCHED_BATCH (replica/cpu_policy.py), so with cgroup v1 those threads alone join the capped group
-(threads they start later inherit it) and the rest of the process stays uncapped.
+SCHED_BATCH at a nice value above the process's main thread's (replica/cpu_policy.py; its HTTP
+thread runs SCHED_BATCH at its own nice value), so with cgroup v1 those threads alone join the
+capped group (threads they start later inherit it) and the rest of the process stays uncapped.
 `whole_process=True`, a replica without SCHED_BATCH threads (`--cpu-policy normal`), or cgroup
 v2 (threads of one process in two groups need its threaded mode) cap every thread;
 `caps.scope` says which happened.
@@ -120,19 +121,20 @@ class CpuCaps:
 
 
 def compute_threads(pid: int) -> list[int]:
-    """The thread ids of `pid` that run SCHED_BATCH (a built-in replica's engine and its torch
-    workers); [] where the OS cannot say."""
+    """The thread ids of `pid` that run SCHED_BATCH at a lower priority (higher nice value) than
+    its main thread: a built-in replica's engine and its torch workers; [] where the OS cannot say."""
     batch = getattr(os, "SCHED_BATCH", None)
     if batch is None:
         return []
     found = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
+        main_nice = os.getpriority(os.PRIO_PROCESS, pid)
     except OSError:
         return []
     for tid in tids:
         try:
-            if os.sched_getscheduler(int(tid)) == batch:
+            if os.sched_getscheduler(int(tid)) == batch and os.getpriority(os.PRIO_PROCESS, int(tid)) > main_nice:
                 found.append(int(tid))
         except OSError:  # the thread ended meanwhile
             continue

@@ -6,6 +6,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -167,12 +168,12 @@ def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_afte
 # Each thread spins in hashlib, which releases the GIL for large inputs: what each thread gets is
 # then the scheduler's doing, not the GIL's.
 SPIN_TWO_THREADS = """
-import hashlib, os, threading, time
+import hashlib, threading, time
+from replica.cpu_policy import apply_to_current_thread
 end = time.time() + 30
 data = bytes(1 << 20)
-def spin(batch):
-    if batch:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+def spin(compute):
+    apply_to_current_thread("batch", lower_priority=compute)  # as the replica's engine / HTTP thread
     while time.time() < end:
         hashlib.sha256(data).digest()
 threading.Thread(target=spin, args=(True,), daemon=True).start()
@@ -188,8 +189,9 @@ def _thread_cpu_s(pid: int, tid: int) -> float:
 
 
 def test_only_a_replicas_compute_threads_are_capped():
-    """A process with a SCHED_BATCH thread (a replica's engine) and a normal one (its HTTP thread):
-    the cap holds the batch thread to its share and leaves the other thread free."""
+    """A process with the built-in replica's two kinds of thread (replica/cpu_policy.py): a compute
+    one (SCHED_BATCH at a raised nice value, its engine) and its HTTP thread (SCHED_BATCH at the
+    process's nice value): the cap holds the compute thread to its share and leaves the other free."""
     import os
     import subprocess
     import sys
@@ -202,7 +204,7 @@ def test_only_a_replicas_compute_threads_are_capped():
     with CpuCaps(0.2) as caps:
         if caps.unavailable:
             pytest.skip(caps.unavailable)
-        spin = subprocess.Popen([sys.executable, "-c", SPIN_TWO_THREADS])
+        spin = subprocess.Popen([sys.executable, "-c", SPIN_TWO_THREADS], cwd=Path(__file__).resolve().parents[1])
         try:
             deadline = time.monotonic() + 10
             while not compute_threads(spin.pid) and time.monotonic() < deadline:
