@@ -173,6 +173,11 @@ async def _serve(args, loaded, defaults, log) -> int:
         liveness = EngineLiveness(args.health_stall_s, args.debug_fault)
     except ValueError as exc:
         return _refuse(log, str(exc))
+    # The HTTP (this) thread: batch without a lower priority (replica/cpu_policy.py), before the
+    # helper threads start (the KV event publisher's, which wakes every engine step, and ZMQ's):
+    # they inherit it. After the model loaded: torch's workers start from the engine thread.
+    if args.cpu_policy == "batch" and not apply_to_current_thread("batch", lower_priority=False):
+        log.warning("cpu_policy_not_applied", policy="batch", thread="http")
     kv_events = None
     if args.kv_events_endpoint:
         from replica.kv_events import KVEventPublisher
@@ -196,10 +201,6 @@ async def _serve(args, loaded, defaults, log) -> int:
         log.warning("max_model_len_capped", model_max_len=engine.model_max_len, max_model_len=engine.max_model_len,
                     kv_cache_tokens=engine.pool.num_blocks * args.block_size,
                     hint="one sequence must fit the KV cache: raise --kv-cache-gb for a longer context")
-    # The HTTP (this) thread: batch without a lower priority (replica/cpu_policy.py). After the
-    # model loaded, so the engine's threads are the only ones that inherit it from here.
-    if args.cpu_policy == "batch" and not apply_to_current_thread("batch", lower_priority=False):
-        log.warning("cpu_policy_not_applied", policy="batch", thread="http")
     engine.start()
     server = ReplicaServer(engine, loaded.tokenizer, model_name=loaded.name, source=loaded.source,
                            vocab_size=loaded.config.vocab_size, sampling_defaults=defaults, role=args.role,
