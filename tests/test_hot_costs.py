@@ -26,8 +26,9 @@ def _tables(expected_blocks: int, count: int) -> list[PrefixTable]:
 
 
 def _state(table: PrefixTable) -> tuple:
-    rings = {name: (ring.hashes.tolist(), ring.seen.tolist(), ring.fill, ring.hand) for name, ring in table._rings.items()}
-    return (table._lines.tolist(), table._gs.tolist(), rings, table._counts.tolist(), table._guessing)
+    """Every array of the table, as bytes (compared in one memcmp each)."""
+    rings = {name: (ring.hashes.tobytes(), ring.seen.tobytes(), ring.pos.tobytes()) for name, ring in table._rings.items()}
+    return (table._lines.tobytes(), table._gs.tobytes(), rings, table._counts.tobytes(), table._guessing)
 
 
 PATHS = ["scalar"] + (["C"] if prefix_table._native is not None else [])
