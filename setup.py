@@ -1,5 +1,5 @@
-"""The one compiled piece: routing/_prefix_match.c (the prefix table's lookup loop). Optional: where
-no C compiler is found the install still succeeds and routing uses its numpy path."""
+"""The one compiled piece: routing/_prefix_match.c (the prefix table's lookup, insert and remove). Optional: where
+no C compiler is found the install still succeeds and routing uses its Python path."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"], optional=True,

@@ -1,4 +1,5 @@
-/* The prefix table's lookup loop in C: PrefixTable.match_lengths for a whole prompt in one call.
+/* The prefix table's hot loops in C: PrefixTable.match_lengths for a whole prompt in one call, and
+ * PrefixTable.insert / remove (below).
  *
  * Same table layout and the same answer as the numpy path in routing/prefix_table.py
  * (PrefixTable._match_numpy, the reference; tests/test_routing_prefix_table.py checks both agree):
