@@ -26,6 +26,7 @@ max/mean at most 1.3.
     .venv/bin/python -m bench.cache_routing --quick          # 5 s each: ~4 min, machinery only
     .venv/bin/python -m bench.cache_routing --workloads c --trace ../shared/traces/other.jsonl
     .venv/bin/python -m bench.cache_routing --routers precise,sglang --keep-logs /tmp/cr
+    .venv/bin/python -m bench.cache_routing --rounds 2    # each router twice, ABBA order, pooled: fairer on a drifting host
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class Settings:
     gateway_workers: int = 1               # kvgate's gateway.workers
     cap_whole_process: bool = False        # cap every replica thread, not only its compute threads
     replica_cpu_shares: int = SHARES       # the capped compute's cgroup weight against the host's other work
+    rounds: int = 1                        # runs of every router per workload, in ABBA order (see merge_rounds)
     cpu_note: str = ""
 
 
@@ -108,6 +110,27 @@ class RunResult:
 
     def ttft_ms(self, p: float) -> float:
         return pct(self.ttfts_s, p) * 1000
+
+
+def merge_rounds(runs: list[RunResult]) -> RunResult:
+    """One router's runs of one workload (--rounds) as one: the requests of all rounds pooled (TTFT
+    percentiles over all of them, requests per replica summed), hit rate and the per-run averages
+    (cores, steal, the replicas' own TTFT) averaged over the rounds, each round's notes kept."""
+    if len(runs) == 1:
+        return runs[0]
+    n = len(runs)
+    return RunResult(runs[0].router, sum(r.hit_rate for r in runs) / n,
+                     [sum(column) for column in zip(*(r.served for r in runs))],
+                     [t for r in runs for t in r.ttfts_s], sum(r.failures for r in runs), sum(r.wall_s for r in runs),
+                     sum(r.machine_cores for r in runs) / n, sum(r.server_cores for r in runs) / n,
+                     [f"round {i + 1}: {note}" for i, r in enumerate(runs) for note in r.notes],
+                     sum(r.replica_ttft_mean_s for r in runs) / n, sum(r.steal_cores for r in runs) / n)
+
+
+def round_order(routers: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, router) in the order to run them: forward, then backward, and so on (A B C C B A ...),
+    so that a host whose speed drifts during the bench slows every router about as much."""
+    return [(i, router) for i in range(rounds) for router in (routers if i % 2 == 0 else routers[::-1])]
 
 
 def pct(values: list[float], p: float) -> float:
@@ -216,7 +239,8 @@ def wait_precise(gateway_url: str, count: int, workers: int = 1) -> bool:
     return False
 
 
-def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sglang_python: Path | None) -> RunResult:
+def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sglang_python: Path | None,
+               round_index: int = 0) -> RunResult:
     notes = []
     verbose = s.keep_logs is not None
     with contextlib.ExitStack() as stack:
@@ -252,7 +276,7 @@ def run_router(router: str, workload: Workload, s: Settings, workdir: Path, sgla
         if s.keep_logs:
             out = Path(s.keep_logs)
             out.mkdir(parents=True, exist_ok=True)
-            stem = f"{workload.name.replace(':', '_')}.{router}"
+            stem = f"{workload.name.replace(':', '_')}.{router}" + (f".round{round_index + 1}" if s.rounds > 1 else "")
             (out / f"{stem}.log").write_text(front.logs())
             # What the client saw of each request, for tails of routers that log no records (sglang-router).
             (out / f"{stem}.requests.jsonl").write_text("".join(
@@ -331,6 +355,9 @@ def table(workload: Workload, runs: dict[str, RunResult], oracle_hit: float, s: 
                     + "".join(f"\n      note: {n}" for n in r.notes))
     rows.append(f"  {f'oracle (one LRU, {s.replicas * s.capacity_blocks} blocks)':<32}{oracle_hit:>9.1%}{1:>9.2f}")
     rows.append(f"  {s.cpu_note}")
+    if s.rounds > 1:
+        rows.append(f"  each row pools {s.rounds} rounds run in ABBA order: TTFT over all their requests, requests "
+                    f"per replica summed, hit rate, cores, steal and added averaged")
     rows.append(f"  cores: CPU busy during the traffic, whole machine / replicas + router "
                 f"({os.cpu_count()} cores; the rest is the client and the neighbours); steal: cores the "
                 f"hypervisor gave other guests meanwhile (a noisy host); added: client TTFT "
@@ -364,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-cpu-policy", choices=POLICIES, default=None,
                         help="the replicas' --cpu-policy (default: theirs, batch): 'normal' lets a replica's "
                              "compute thread preempt the router on the cores they share")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every router this many times per workload, in ABBA order, and pool the rounds' "
+                             "requests (default 1): a host whose speed drifts then slows every router alike")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT is then the whole answer)")
     parser.add_argument("--keep-logs", default=None, help="write each run's gateway / sglang-router log into this directory "
                                                           "(kvgate logs at info: one record per request with its routing), "
@@ -373,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = args.workloads.split(",")
     for bad in [r for r in routers if r not in ROUTERS] + [k for k in keys if k not in WORKLOADS]:
         parser.error(f"unknown router or workload {bad!r}")
-    s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    s = Settings(stream=not args.no_stream, keep_logs=args.keep_logs, rounds=args.rounds)
     if args.capacity_blocks:
         s.capacity_blocks = args.capacity_blocks
     s.replica_cpu_policy = args.replica_cpu_policy
@@ -404,20 +436,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-cache-bench-") as tmp, \
             Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
-        task = progress.add_task("cache_routing", total=len(workloads) * len(routers))
+        task = progress.add_task("cache_routing", total=len(workloads) * len(routers) * s.rounds)
         for key, workload in workloads.items():
-            results[key] = {}
-            for router in routers:
+            rounds: dict[str, list[RunResult]] = {router: [] for router in routers}
+            for round_index, router in round_order(routers, s.rounds):
                 progress.update(task, description=f"{workload.name} · {ROUTERS[router]} "
-                                                  f"({len(workload.requests)} requests, {workload.duration_s:.0f} s)")
+                                                  f"({len(workload.requests)} requests, {workload.duration_s:.0f} s)"
+                                                  + (f" · round {round_index + 1}/{s.rounds}" if s.rounds > 1 else ""))
                 started = time.monotonic()
-                r = results[key][router] = run_router(router, workload, s, Path(tmp), sglang_python)
+                r = run_router(router, workload, s, Path(tmp), sglang_python, round_index)
+                rounds[router].append(r)
                 progress.advance(task)
                 progress.console.print(
                     f"  {WORKLOADS[key]:<7} {ROUTERS[router]:<31} hit {r.hit_rate:6.1%}  "
                     f"TTFT p50 {r.ttft_ms(50):6.1f} p99 {r.ttft_ms(99):7.1f} ms  max/mean {r.max_over_mean:.2f}  "
                     f"failed {r.failures}  cores {r.machine_cores:.1f}/{r.server_cores:.1f} steal {r.steal_cores:.2f}  "
-                    f"({r.wall_s:.0f} s of {time.monotonic() - started:.0f} s)", soft_wrap=True)
+                    f"({r.wall_s:.0f} s of {time.monotonic() - started:.0f} s)"
+                    + (f"  round {round_index + 1}" if s.rounds > 1 else ""), soft_wrap=True)
+            results[key] = {router: merge_rounds(rounds[router]) for router in routers}
     print()
     for key, workload in workloads.items():
         print(table(workload, results[key], oracles[key], s))

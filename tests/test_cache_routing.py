@@ -10,6 +10,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 
 from routing.params import CacheAwareParams
 from tests.servers import free_port, run_gateway, run_replica
@@ -196,6 +197,28 @@ def test_the_bench_targets_sglang_router_only_when_it_ran():
     ]
     without = workload_targets("chat", {"precise": runs["precise"]}, oracle_hit=0.64)
     assert without == [lines[1], lines[4]]
+
+
+def test_the_bench_runs_rounds_in_abba_order_and_pools_their_requests():
+    """--rounds N: routers run forward then backward (a drifting host slows each alike), and a
+    router's rounds pool into one row: TTFT percentiles over every request, requests per replica
+    summed, hit rate averaged; the targets then read the pooled rows."""
+    from bench.cache_routing import RunResult, merge_rounds, round_order, workload_targets
+
+    assert round_order(["precise", "approximate", "sglang"], 3) == [
+        (0, "precise"), (0, "approximate"), (0, "sglang"),
+        (1, "sglang"), (1, "approximate"), (1, "precise"),
+        (2, "precise"), (2, "approximate"), (2, "sglang")]
+    first = RunResult("precise", 0.60, [100, 100], [0.010, 0.030], 0, 40.0, 1.0, 0.5, ["slow host"], 0.008, 0.2)
+    second = RunResult("precise", 0.70, [90, 130], [0.020, 0.040, 0.050], 1, 41.0, 1.2, 0.7, [], 0.010, 0.0)
+    pooled = merge_rounds([first, second])
+    assert pooled.hit_rate == pytest.approx(0.65) and pooled.served == [190, 230] and pooled.failures == 1
+    assert sorted(pooled.ttfts_s) == [0.010, 0.020, 0.030, 0.040, 0.050] and pooled.ttft_ms(50) == pytest.approx(30)
+    assert pooled.notes == ["round 1: slow host"] and pooled.steal_cores == pytest.approx(0.1)
+    assert merge_rounds([first]) is first
+    sglang = merge_rounds([RunResult("sglang", 0.5, [300, 20], [0.025], 0, 40.0, 1.0, 0.5)] * 2)
+    assert workload_targets("chat", {"precise": pooled, "sglang": sglang}, oracle_hit=0.7)[2] == \
+        "target chat_precise_ttft_p50_ms: 30 (goal <= 25) short"
 
 
 def test_the_gateway_exports_each_replicas_prefill_rate_and_says_when_the_configured_one_is_far_off(tmp_path):
