@@ -19,10 +19,10 @@ before its first torch op, so the intra-op worker threads torch starts for it (-
 inherit it. The replica's HTTP thread, and the helper threads it starts (the KV event
 publisher's, which wakes every engine step, and ZMQ's), run SCHED_BATCH too, at the nice value
 they had: a fair share of the CPU (they parse, tokenize, stream, publish), but the gateway's write
-of a request no longer hands them the CPU mid-write. Measured on the conversation trace (4 replicas and the gateway
-on 2 cores): the gateway's time from a request's arrival to its routing, routed_ms, went from
-5.3 to 2.9 ms mean and from 21.8 to 8.8 ms p99, once the replicas' HTTP threads stopped
-preempting it."""
+of a request no longer hands them the CPU mid-write. Measured on the conversation trace (4
+replicas and the gateway on 2 cores): the gateway's time from a request's arrival to its routing,
+routed_ms, went from 5.3 to 2.9 ms mean and from 21.8 to 8.8 ms p99, once the replicas' HTTP
+threads stopped preempting it."""
 from __future__ import annotations
 
 import os

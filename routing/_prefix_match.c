@@ -398,12 +398,44 @@ static void release_all(buffer_hold *holds, int n) {
             PyBuffer_Release(&holds[i].view);
 }
 
-/* The table's arrays are written: writable buffers; the keys only read. */
-static int hold(buffer_hold *h, PyObject *obj, Py_ssize_t itemsize, const char *what) {
-    int keys = strcmp(what, "keys") == 0;
-    if (get_buffer_flags(obj, &h->view, itemsize, what, keys ? 0 : PyBUF_WRITABLE) < 0)
+/* The buffers of args[0..n): the table's arrays, written (writable buffers), then the keys, last,
+ * only read. On failure every buffer taken is released and the error set. */
+static int hold_all(buffer_hold *h, PyObject *const *args, const char *const *names, const Py_ssize_t *itemsizes,
+                    int n) {
+    memset(h, 0, sizeof(buffer_hold) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        if (get_buffer_flags(args[i], &h[i].view, itemsizes[i], names[i], i == n - 1 ? 0 : PyBUF_WRITABLE) < 0) {
+            release_all(h, n);
+            return -1;
+        }
+        h[i].held = 1;
+    }
+    return 0;
+}
+
+/* The replica bit argument, in [0, 64). */
+static int index_arg(PyObject *arg, long *index) {
+    *index = PyLong_AsLong(arg);
+    if (*index == -1 && PyErr_Occurred())
         return -1;
-    h->held = 1;
+    if (*index < 0 || *index >= 64) {
+        PyErr_SetString(PyExc_ValueError, "index must be in [0, 64)");
+        return -1;
+    }
+    return 0;
+}
+
+/* The table's view from its lines, records and counts buffers, checked to fit together. */
+static int table_of(table_view *t, const Py_buffer *lines, const Py_buffer *records, const Py_buffer *counts) {
+    t->lines = lines->buf;
+    t->records = records->buf;
+    t->nb = (uint64_t)(lines->len / (8 * 2 * SLOTS));
+    t->sizes = counts->buf;
+    if (t->nb == 0 || records->len / (Py_ssize_t)sizeof(guess_record) != (Py_ssize_t)t->nb * SLOTS
+        || counts->len != 8 * 128) {
+        PyErr_SetString(PyExc_ValueError, "the table's arrays do not fit together");
+        return -1;
+    }
     return 0;
 }
 
@@ -416,34 +448,31 @@ static PyObject *insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                         "insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick)");
         return NULL;
     }
-    long index = PyLong_AsLong(args[7]);
+    long index;
+    if (index_arg(args[7], &index) < 0)
+        return NULL;
     int guessed = PyObject_IsTrue(args[8]);
     long long tick_ll = PyLong_AsLongLong(args[9]);
     if (PyErr_Occurred())
         return NULL;
-    if (index < 0 || index >= 64) {
-        PyErr_SetString(PyExc_ValueError, "index must be in [0, 64)");
-        return NULL;
-    }
+    static const char *const names[7] = {"lines", "records", "ring_hashes", "ring_seen", "ring_pos", "counts", "keys"};
+    static const Py_ssize_t itemsizes[7] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 4, 8, 8, 8};
     buffer_hold h[7];
-    memset(h, 0, sizeof h);
-    const char *names[7] = {"lines", "records", "ring_hashes", "ring_seen", "ring_pos", "counts", "keys"};
-    Py_ssize_t sizes[7] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 4, 8, 8, 8};
-    for (int i = 0; i < 7; i++)
-        if (hold(&h[i], args[i], sizes[i], names[i]) < 0) {
-            release_all(h, 7);
-            return NULL;
-        }
-    table_view t = {h[0].view.buf, h[1].view.buf, (uint64_t)(h[0].view.len / (8 * 2 * SLOTS)), h[5].view.buf};
+    if (hold_all(h, args, names, itemsizes, 7) < 0)
+        return NULL;
+    table_view t;
     uint64_t *ring_hashes = h[2].view.buf;
     uint32_t *ring_seen = h[3].view.buf;
     int64_t *ring_pos = h[4].view.buf;
     const uint64_t *in = h[6].view.buf;
     Py_ssize_t n_in = h[6].view.len / 8, capacity = h[2].view.len / 8;
-    if (h[1].view.len / (Py_ssize_t)sizeof(guess_record) != (Py_ssize_t)t.nb * SLOTS || h[3].view.len / 4 != capacity
-        || h[4].view.len != 16 || h[5].view.len != 8 * 128 || t.nb == 0 || capacity == 0) {
+    if (table_of(&t, &h[0].view, &h[1].view, &h[5].view) < 0) {
         release_all(h, 7);
-        PyErr_SetString(PyExc_ValueError, "insert: array sizes do not fit together");
+        return NULL;
+    }
+    if (capacity == 0 || h[3].view.len / 4 != capacity || h[4].view.len != 16) {
+        release_all(h, 7);
+        PyErr_SetString(PyExc_ValueError, "insert: the ring's arrays do not fit together");
         return NULL;
     }
     uint64_t bit = 1ULL << index;
@@ -542,27 +571,17 @@ static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "remove(lines, records, counts, keys, index)");
         return NULL;
     }
-    long index = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred())
+    long index;
+    if (index_arg(args[4], &index) < 0)
         return NULL;
-    if (index < 0 || index >= 64) {
-        PyErr_SetString(PyExc_ValueError, "index must be in [0, 64)");
-        return NULL;
-    }
+    static const char *const names[4] = {"lines", "records", "counts", "keys"};
+    static const Py_ssize_t itemsizes[4] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 8};
     buffer_hold h[4];
-    memset(h, 0, sizeof h);
-    const char *names[4] = {"lines", "records", "counts", "keys"};
-    Py_ssize_t sizes[4] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 8};
-    for (int i = 0; i < 4; i++)
-        if (hold(&h[i], args[i], sizes[i], names[i]) < 0) {
-            release_all(h, 4);
-            return NULL;
-        }
-    table_view t = {h[0].view.buf, h[1].view.buf, (uint64_t)(h[0].view.len / (8 * 2 * SLOTS)), h[2].view.buf};
-    if (h[1].view.len / (Py_ssize_t)sizeof(guess_record) != (Py_ssize_t)t.nb * SLOTS || h[2].view.len != 8 * 128
-        || t.nb == 0) {
+    if (hold_all(h, args, names, itemsizes, 4) < 0)
+        return NULL;
+    table_view t;
+    if (table_of(&t, &h[0].view, &h[1].view, &h[2].view) < 0) {
         release_all(h, 4);
-        PyErr_SetString(PyExc_ValueError, "remove: array sizes do not fit together");
         return NULL;
     }
     const uint64_t *keys = h[3].view.buf;

@@ -141,8 +141,7 @@ class PrefixTable:
         self._index[replica] = free[0]
         self._bits_memo.clear()
         self._bits[free[0]] = replica
-        self._rings[replica] = _Ring(capacity_blocks)
-        self._counts[:, free[0]] = 0
+        self._rings[replica] = _Ring(capacity_blocks)  # its counts are 0: remove_replica zeroes a freed bit's
         self._capacities[replica] = capacity_blocks
         total = sum(len(r.hashes) for r in self._rings.values())
         if self._buckets_for(total) > self._nb:
