@@ -47,6 +47,11 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_timeout_s: PositiveSeconds = 30.0        # longest wait in that queue before a 429
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight requests get this long
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 8 * 1024 * 1024
+    # A non-streamed request whose replica fails mid-answer: false (default) tries it again from
+    # scratch elsewhere, the replica's JSON answer passed through; true collects it from a streamed
+    # replica, so it resumes from the tokens already made (an SSE relay per request: ~70% more
+    # gateway CPU per non-streamed request on bench/vs_routers.py's stubs). Streams always resume.
+    resume_non_stream: bool = False
     # Gateway processes on the port (SO_REUSEPORT), each with its own event loop; 1: one process
     # (gateway/workers.py says what they share and how).
     workers: Annotated[int, Meta(ge=1, le=64)] = 1

@@ -184,18 +184,21 @@ class Proxy:
         self._check_context(parsed, prompt_ids, candidates)
 
         chat = isinstance(parsed, ChatCompletionRequest)
-        # A non-streaming client is answered from a streamed upstream too (so a failure after k
-        # tokens resumes from them), unless it asks for fields whose stream form we do not collect.
-        collectable = parsed.stream or _collectable(raw, body)
+        # A non-streaming client gets the replica's JSON answer passed through (a failure retries
+        # from scratch). It is collected from a streamed upstream instead (a failure after k tokens
+        # resumes from them) with gateway.resume_non_stream, and when the router wants it timed;
+        # fields whose stream form we do not collect always pass through.
+        gateway = self.pool.config.gateway
+        router = self.router
+        collectable = parsed.stream or ((gateway.resume_non_stream or router.times_non_stream(model))
+                                        and _collectable(raw, body))
         raw["return_token_ids"] = True
         raw["model"] = model
         if collectable:
             raw["stream"] = True
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        gateway = self.pool.config.gateway
         total_s, ttft_s, itl_s = gateway.timeouts(model)
         loop = asyncio.get_running_loop()
-        router = self.router
         plan = _Plan(parsed, raw, model, prompt_ids, router.hashes(prompt_ids, parsed.cache_salt),
                      router.session_key(exchange.headers, parsed.user), collectable, _encode_json(raw),
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
@@ -396,13 +399,7 @@ class Proxy:
         upstream: Response | None = None
         finished = False
         try:
-            try:
-                upstream = await self.pool.client.post(replica.origin, endpoint, payload, record.request_id,
-                                                       first_deadline)
-            except HttpClientError as exc:
-                raise TryFailed(f"connect: {_reason(exc)}",
-                                UpstreamError(f"Replica {replica.name} unreachable.", code="upstream_unreachable"),
-                                fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
+            upstream = await self._post(replica, endpoint, payload, record.request_id, first_deadline)
             if upstream.status != 200:
                 raise await self._status_error(upstream, replica, first_deadline)
             replica.last_progress_s = loop.time()
@@ -473,15 +470,24 @@ class Proxy:
             raise TryFailed("stream ended without a finish_reason", UpstreamError(
                 f"Replica {replica.name} ended the stream early.", code="upstream_disconnected"))
 
+    async def _post(self, replica: ReplicaState, endpoint: str, payload: bytes, request_id: str,
+                    deadline: float) -> Response:
+        """The replica's answer head; TryFailed ("connect: ...") when the request cannot get there."""
+        try:
+            return await self.pool.client.post(replica.origin, endpoint, payload, request_id, deadline)
+        except HttpClientError as exc:
+            raise TryFailed(f"connect: {_reason(exc)}",
+                            UpstreamError(f"Replica {replica.name} unreachable.", code="upstream_unreachable"),
+                            fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
+
     async def _try_json(self, replica: ReplicaState, payload: bytes, plan: _Plan, answer: Answer,
                         attempt: RoutedAttempt) -> None:
-        """A non-streamed answer passed through as is (fields the gateway does not collect from a
-        stream); a failure before it arrives is tried again from scratch."""
+        """A non-streamed answer passed through as is (without the token IDs the client did not ask
+        for); a failure before all of it arrived is tried again from scratch."""
         record = answer.record
         upstream = None
         try:
-            upstream = await self.pool.client.post(replica.origin, record.endpoint, payload, record.request_id,
-                                                   plan.deadline)
+            upstream = await self._post(replica, record.endpoint, payload, record.request_id, plan.deadline)
             if upstream.status != 200:
                 raise await self._status_error(upstream, replica, plan.deadline)
             body = await upstream.read(plan.deadline)
@@ -497,9 +503,17 @@ class Proxy:
                 upstream.release()
         attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
         attempt.first_token()
+        try:
+            reply = _decode_json(body)
+        except msgspec.DecodeError:
+            reply = None
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices or [], list) or not isinstance((choices or [{}])[0], dict) \
+                or not isinstance(reply.get("usage") or {}, dict):
+            raise TryFailed("unreadable answer", UpstreamError(
+                f"Replica {replica.name} sent an answer that is not an OpenAI response.", code="upstream_error"))
         self.pool.report(replica, ok=True)
-        reply = _decode_json(body)
-        choice = (reply.get("choices") or [{}])[0]
+        choice = (choices or [{}])[0]
         record.output_token_ids = list(choice.get("token_ids") or [])
         record.finish_reason = choice.get("finish_reason")
         record.completion_tokens = len(record.output_token_ids)

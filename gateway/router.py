@@ -41,6 +41,11 @@ LEARN_ALPHA = 0.2
 LEARN_SAMPLES = 8
 LEARN_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
+# A non-streamed answer times nothing (it arrives whole), so the first TIMED_FIRST non-streamed
+# requests of a model, and one in TIMED_EVERY after, are relayed from a streamed replica anyway
+# (times_non_stream): the load model learns from traffic that never streams too.
+TIMED_FIRST = 32
+TIMED_EVERY = 16
 
 
 def _load_model(section: RoutingSection) -> LoadModel:
@@ -76,6 +81,7 @@ class Router:
         # model -> (observed token interval / the configured decode step for the batch, samples)
         self.model_decode_scales: dict[str, tuple[float, int]] = {}
         self.adopted_decode_scales: dict[str, float] = {}  # model -> the scale its replicas' decode steps use
+        self.non_stream_requests: dict[str, int] = {}  # model -> non-streamed requests so far
         self.apply(config)
         self._warm_up()
 
@@ -226,6 +232,16 @@ class Router:
             model = state.model_of.get(name)
             state.tracker.set_prefill_rate(name, self.adopted_prefill_rates.get(model))
             state.tracker.set_decode_step_scale(name, self.adopted_decode_scales.get(model))
+
+    def times_non_stream(self, model: str) -> bool:
+        """Whether this non-streamed request of `model` is to be relayed from a streamed replica
+        so that its first token and token intervals are timed (TIMED_FIRST, TIMED_EVERY), for a
+        policy that reads the load model's seconds."""
+        if not self.policy.timed:
+            return False
+        count = self.non_stream_requests.get(model, 0)
+        self.non_stream_requests[model] = count + 1
+        return count < TIMED_FIRST or count % TIMED_EVERY == 0
 
     # ---- one request ----------------------------------------------------------------------------
 

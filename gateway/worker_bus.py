@@ -149,6 +149,7 @@ class _SharedPolicy:
     def __init__(self, inner, publish: Callable) -> None:
         self.inner = inner
         self.name = inner.name
+        self.timed = inner.timed
         self._publish = publish
         self._sessions: dict[int, str] = {}  # id(decision) -> session key, until its commit
         self.choose = self._choose_with_session if isinstance(inner, SessionAffinity) else inner.choose

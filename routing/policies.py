@@ -42,6 +42,7 @@ def _within_bound(loads: dict[str, float], factor: float, slack: float) -> list[
 
 class LeastLoad:
     name = "least_load"
+    timed = True  # ties on in-flight requests go to the shorter queue, in seconds
 
     def __init__(self, state: RoutingState, seed: int | None = None) -> None:
         self.state = state
@@ -63,6 +64,7 @@ class LeastLoad:
 
 class ConsistentHash:
     name = "consistent_hash"
+    timed = False
 
     def __init__(self, state: RoutingState, virtual_nodes: int = 100, epsilon: float = 0.25,
                  key_blocks: int = 4) -> None:
@@ -239,6 +241,7 @@ class CacheAware:
     mode, learn_from_routing), off the decision path: the gateway calls it once the request is
     on its way."""
     name = "cache_aware"
+    timed = True
 
     def __init__(self, state: RoutingState, prefill_weight: float = 2.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
@@ -417,6 +420,7 @@ class SessionAffinity:
                  balance_factor: float = 1.25, balance_slack: float = 0.0) -> None:
         self.state = state
         self.fallback = fallback
+        self.timed = fallback.timed
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.balance_factor = balance_factor

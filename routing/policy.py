@@ -46,6 +46,9 @@ class Decision(Protocol):
 class Policy(Protocol):
     """A routing policy: a pure decision over the candidates and the shared state."""
     name: str
+    # Its decisions read the load model's seconds (prefill rate, decode step), which the gateway
+    # learns by timing answers: a non-streamed request is then sometimes relayed from a stream.
+    timed: bool
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> Decision:
         """The replica for `request` among `candidates` (non-empty), and why. Changes nothing."""

@@ -8,6 +8,7 @@ from routing.policy import RouteRequest, RoutingDecision
 
 class RoundRobin:
     name = "round_robin"
+    timed = False
 
     def __init__(self) -> None:
         self._turn: dict[str, int] = {}  # per model: how many requests it has routed

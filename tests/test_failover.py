@@ -179,8 +179,27 @@ def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path
     assert failover["reason"] == "stalled" if fault == "stop" else failover["reason"].startswith("disconnected")
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_non_streamed_answer_resumes_too(up, path):
+def set_resume_non_stream(up: Up, on: bool) -> None:
+    """gateway.resume_non_stream in the cluster's YAML, hot-reloaded: returns once it is live."""
+    text = up.config_path.read_text()
+    head, _, rest = text.partition("drain_grace_s: 20")
+    rest = rest.split("}", 1)[1]
+    applied = lambda: metric(http("GET", up.url + "/metrics")[2], "kvgate_config_reloads_total",
+                             result="applied")
+    before = applied()
+    tmp = up.config_path.with_suffix(".tmp")
+    tmp.write_text(f"{head}drain_grace_s: 20, resume_non_stream: {str(on).lower()}}}{rest}")
+    os.replace(tmp, up.config_path)
+    poll(lambda: applied() > before, "the reload applied", up.server, timeout_s=20)
+
+
+@pytest.mark.parametrize("path, resume", [("/v1/completions", True), ("/v1/chat/completions", True),
+                                          ("/v1/completions", False)])
+def test_a_non_streamed_answer_resumes_or_starts_over(up, path, resume):
+    """gateway.resume_non_stream: true collects a non-streamed answer from a streamed replica, so a
+    kill mid-answer resumes it from the tokens made; false (the default) passes the replica's JSON
+    through and tries it again from scratch. Either way the client gets the whole, same answer."""
+    set_resume_non_stream(up, resume)
     up.wait_all_healthy()
     n = random.randrange(10**6)
     body = {**body_for(path, n, max_tokens=1200), "stream": False}  # ~0.7 s idle: the kill lands mid-answer
@@ -200,7 +219,12 @@ def test_a_non_streamed_answer_resumes_too(up, path):
     assert got["ids"] == reference["ids"] and got["text"] == reference["text"]
     assert got["usage"]["completion_tokens"] == 1200
     record = up.gateway.record(f"json-kill-{n}")
-    assert record["failover"][0]["replica"] == killed[0] and record["failover"][0]["after_tokens"] > 0
+    assert record["failover"][0]["replica"] == killed[0]
+    if resume:
+        assert record["failover"][0]["after_tokens"] > 0
+    else:
+        assert record["failover"][0]["after_tokens"] == 0 and record["output_token_ids"] == got["ids"]
+    set_resume_non_stream(up, False)
 
 
 def test_a_replica_that_hangs_before_answering_is_tried_elsewhere(up):
