@@ -3,6 +3,7 @@ vLLM 0.33.0's engine publishes them (protocol/kv_events.py holds the structs and
 the fields its block pool sets, with the values it sets for a request without LoRA or images."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -51,7 +52,12 @@ class KVEventPublisher:
         self._pending: deque[bytes] = deque()
         self._seq = 0
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        # The thread sleeps in one poll on the replay socket and this pipe (a byte per wake-up);
+        # no timeout: an idle replica's publisher does not wake (a 5 ms poll woke it 200 times a second).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._signalled = False  # a wake-up byte is in the pipe (set and cleared under the lock)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -59,6 +65,7 @@ class KVEventPublisher:
         self._thread.start()
         self._ready.wait(timeout=10)
         if self._error is not None:
+            self._close_pipe()
             raise self._error
 
     def publish(self, events: list) -> None:
@@ -69,12 +76,28 @@ class KVEventPublisher:
         payload = encode_batch(batch)
         with self._lock:
             self._pending.append(payload)
-        self._wake.set()
+            wake, self._signalled = not self._signalled, True
+        if wake:
+            self._signal()
 
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._signal()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._close_pipe()
+
+    def _signal(self) -> None:
+        with self._lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")  # at most a few bytes wait in it: never full
+
+    def _close_pipe(self) -> None:
+        with self._lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def _run(self) -> None:
         context = zmq.Context.instance()
@@ -98,14 +121,17 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if router is not None:
             poller.register(router, zmq.POLLIN)
+        wake_r = self._wake_r  # closed only once this thread has ended
+        poller.register(wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                # Short polls: replay requests are rare, published batches are the hot path.
-                if router is not None and poller.poll(timeout=5):
+                ready = dict(poller.poll())
+                if router is not None and router in ready:
                     self._serve_replay(router)
-                elif router is None:
-                    self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                if wake_r in ready:
+                    with self._lock:
+                        self._signalled = False
+                        _drain(wake_r)
                 while True:
                     with self._lock:
                         if not self._pending:
@@ -132,3 +158,12 @@ class KVEventPublisher:
             if seq >= start_seq:
                 router.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
         router.send_multipart((identity, b"", b"", END_SEQ, b""))
+
+
+def _drain(fd: int) -> None:
+    """Read every wake-up byte waiting in the pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -106,6 +106,39 @@ def test_vllm_decodes_the_publisher_and_replays_missed_batches(publisher):
     sub.close()
 
 
+
+def wake_ups(thread) -> int:
+    """How many times `thread` has gone to sleep and woken (its voluntary context switches)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_an_idle_publisher_sleeps_and_still_publishes_and_replays(publisher):
+    pub, pub_port, replay_port = publisher
+    thread = pub._thread
+    before = wake_ups(thread)
+    time.sleep(0.5)
+    # A replica without traffic: its publisher thread waits for work (a 5 ms poll woke it ~100 times here).
+    assert wake_ups(thread) - before <= 2
+    ctx = zmq.Context.instance()
+    sub = subscribe(ctx, f"tcp://127.0.0.1:{pub_port}")
+    pool = BlockPool(num_blocks=4, block_size=4)
+    received: dict = {}
+    deadline = time.monotonic() + 5
+    attempt = 0
+    while not received and time.monotonic() < deadline:  # the SUB joins a moment after connect
+        table = pool.allocate(1)
+        pool.commit(table[0], block_hashes([attempt] * 4, 4)[0], None, [attempt] * 4)
+        pool.release(table)
+        pub.publish(pool.drain_events())
+        collect(sub, received, time.monotonic() + 0.2)
+        attempt += 1
+    assert received, "no batch reached the subscriber"
+    assert sorted(replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0)) == list(range(attempt))
+    sub.close()
+    pub.close()
+    assert not thread.is_alive()
+
 def complete(url: str, prompt: list[int], **extra) -> None:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, **extra}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
