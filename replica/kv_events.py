@@ -52,12 +52,10 @@ class KVEventPublisher:
         self._pending: deque[bytes] = deque()
         self._seq = 0
         self._lock = threading.Lock()
-        # The thread sleeps in one poll on the replay socket and this pipe (a byte per wake-up);
-        # no timeout: an idle replica's publisher does not wake (a 5 ms poll woke it 200 times a second).
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._signalled = False  # a wake-up byte is in the pipe (set and cleared under the lock)
+        # The thread sleeps in one poll on the replay socket and this counter (publish adds 1, the
+        # thread's read takes them all); no timeout: an idle replica's publisher does not wake (a
+        # 5 ms poll woke it 200 times a second).
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -65,7 +63,7 @@ class KVEventPublisher:
         self._thread.start()
         self._ready.wait(timeout=10)
         if self._error is not None:
-            self._close_pipe()
+            self._close_wake()
             raise self._error
 
     def publish(self, events: list) -> None:
@@ -76,28 +74,26 @@ class KVEventPublisher:
         payload = encode_batch(batch)
         with self._lock:
             self._pending.append(payload)
-            wake, self._signalled = not self._signalled, True
-        if wake:
             self._signal()
 
     def close(self) -> None:
         self._stop.set()
-        self._signal()
+        with self._lock:
+            self._signal()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            self._close_pipe()
+            self._close_wake()
 
     def _signal(self) -> None:
-        with self._lock:
-            if self._wake_w >= 0:
-                os.write(self._wake_w, b"\0")  # at most a few bytes wait in it: never full
+        """Wake the thread (the caller holds the lock: the counter may be closed)."""
+        if self._wake >= 0:
+            os.eventfd_write(self._wake, 1)
 
-    def _close_pipe(self) -> None:
+    def _close_wake(self) -> None:
         with self._lock:
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+            if self._wake >= 0:
+                os.close(self._wake)
+            self._wake = -1
 
     def _run(self) -> None:
         context = zmq.Context.instance()
@@ -121,17 +117,15 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if router is not None:
             poller.register(router, zmq.POLLIN)
-        wake_r = self._wake_r  # closed only once this thread has ended
-        poller.register(wake_r, zmq.POLLIN)
+        wake = self._wake  # closed only once this thread has ended
+        poller.register(wake, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll())
                 if router is not None and router in ready:
                     self._serve_replay(router)
-                if wake_r in ready:
-                    with self._lock:
-                        self._signalled = False
-                        _drain(wake_r)
+                if wake in ready:
+                    os.eventfd_read(wake)  # takes every wake-up so far
                 while True:
                     with self._lock:
                         if not self._pending:
@@ -158,12 +152,3 @@ class KVEventPublisher:
             if seq >= start_seq:
                 router.send_multipart((identity, b"", self.topic, encode_seq(seq), payload))
         router.send_multipart((identity, b"", b"", END_SEQ, b""))
-
-
-def _drain(fd: int) -> None:
-    """Read every wake-up byte waiting in the pipe."""
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass

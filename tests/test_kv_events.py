@@ -106,7 +106,6 @@ def test_vllm_decodes_the_publisher_and_replays_missed_batches(publisher):
     sub.close()
 
 
-
 def wake_ups(thread) -> int:
     """How many times `thread` has gone to sleep and woken (its voluntary context switches)."""
     with open(f"/proc/self/task/{thread.native_id}/status") as status:
@@ -138,6 +137,7 @@ def test_an_idle_publisher_sleeps_and_still_publishes_and_replays(publisher):
     sub.close()
     pub.close()
     assert not thread.is_alive()
+
 
 def complete(url: str, prompt: list[int], **extra) -> None:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, **extra}
