@@ -77,10 +77,16 @@ class PrefillDecode:
         self.pool = pool
         self.router = router
         self.metrics = metrics
+        self._decode_models: tuple[object, frozenset[str]] = (None, frozenset())  # (config, its P/D models)
 
     def decode_pool(self, model: str) -> bool:
-        """Is `model` served by a P/D pool (decode replicas configured)?"""
-        return any(spec.role == "decode" and spec.model == model for spec in self.pool.config.replicas)
+        """Is `model` served by a P/D pool (decode replicas configured)? Asked of every request:
+        the answer is worked out once per config (a reload brings a new one)."""
+        config = self.pool.config
+        if self._decode_models[0] is not config:
+            self._decode_models = (config, frozenset(spec.model for spec in config.replicas
+                                                     if spec.role == "decode"))
+        return model in self._decode_models[1]
 
     async def decode_leg(self, plan, record, decode: ReplicaState, matched_tokens: int,
                          state: PDState) -> DecodeLeg:
@@ -121,7 +127,7 @@ class PrefillDecode:
             if not names:
                 break
             started = time.perf_counter()
-            with self.router.attempt(names, plan.model, plan.prompt_ids, plan.hashes, plan.session_key,
+            with self.router.attempt(names, plan.model, plan.prompt_ids, plan.hashes(), plan.session_key,
                                      plan.parsed.cache_salt, 1) as attempt:
                 prefill = self.pool.by_name[attempt.replica]
                 entry.update(prefill=prefill.name, prefill_routing=attempt.log.get("reason"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 import structlog
@@ -67,17 +67,18 @@ class TryFailed(Exception):
 
 class _Plan:
     """Everything about one request that every try of it reuses."""
-    __slots__ = ("parsed", "raw", "model", "prompt_ids", "hashes", "session_key", "streamed_upstream", "payload",
-                 "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
+    __slots__ = ("parsed", "raw", "model", "prompt_ids", "_router", "_hashes", "session_key", "streamed_upstream",
+                 "payload", "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
 
-    def __init__(self, parsed: AnyRequest, raw: dict, model: str, prompt_ids: list[int], hashes, session_key,
+    def __init__(self, parsed: AnyRequest, raw: dict, model: str, prompt_ids: list[int], router: Router, session_key,
                  streamed_upstream: bool, payload: bytes, deadline: float, pd: PDState | None,
                  ttft_timeout_s: float, inter_token_timeout_s: float) -> None:
         self.parsed = parsed
         self.raw = raw
         self.model = model
         self.prompt_ids = prompt_ids
-        self.hashes = hashes
+        self._router = router
+        self._hashes = None
         self.session_key = session_key
         self.streamed_upstream = streamed_upstream  # the replica streams (unless the answer has fields we cannot collect)
         self.payload = payload
@@ -85,6 +86,17 @@ class _Plan:
         self.pd = pd                                # set when the model is served by prefill/decode pools
         self.ttft_timeout_s = ttft_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
+
+    def hashes(self) -> Sequence[int]:
+        """The prompt's block hashes for a try's routing: computed on the first try that needs them
+        and reused by the others; () while the policy does not read prefixes (round robin, least
+        load: not worth ~10 us a request)."""
+        router = self._router
+        if not router.reads_prefixes:
+            return ()
+        if self._hashes is None:
+            self._hashes = router.hashes(self.prompt_ids, self.parsed.cache_salt)
+        return self._hashes
 
 
 class Proxy:
@@ -199,7 +211,7 @@ class Proxy:
             raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
         total_s, ttft_s, itl_s = gateway.timeouts(model)
         loop = asyncio.get_running_loop()
-        plan = _Plan(parsed, raw, model, prompt_ids, router.hashes(prompt_ids, parsed.cache_salt),
+        plan = _Plan(parsed, raw, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, _encode_json(raw),
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
         echo_chars = 0
@@ -230,7 +242,7 @@ class Proxy:
                 routed_ids = prompt + output_ids
                 hashes = self.router.hashes(routed_ids, plan.parsed.cache_salt)
             else:
-                routed_ids, hashes = plan.prompt_ids, plan.hashes
+                routed_ids, hashes = plan.prompt_ids, plan.hashes()
             new_tokens = requested_max_tokens(plan.parsed)[0]
             with self.router.attempt(names, plan.model, routed_ids, hashes, plan.session_key,
                                      plan.parsed.cache_salt, new_tokens) as attempt:

@@ -248,6 +248,11 @@ class Router:
     def session_key(self, headers, user: str | None) -> str | None:
         return headers.get(self.config.routing.session_header) or user or None
 
+    @property
+    def reads_prefixes(self) -> bool:
+        """Whether the policy routes on the prompt's block hashes (a policy that does not say is taken to)."""
+        return getattr(self.policy, "reads_prefixes", True)
+
     def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> np.ndarray:
         """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt, kept
         as the uint64 array the prefix table reads (no per-decision conversion)."""
@@ -264,9 +269,9 @@ class Router:
         request = RouteRequest(model=model, prompt_token_ids=prompt_token_ids, max_new_tokens=max_new_tokens,
                                block_hashes=hashes, session_key=session_key, cache_salt=cache_salt)
         policy = self.policy
-        # The load each candidate looked like before this decision (the record explains the choice).
-        estimates = _estimates_log(state, candidates) if policy.name != "round_robin" else None
         decision = policy.choose(candidates, request)
+        # The load each candidate looked like when it was chosen (the record explains the choice).
+        estimates = _estimates_log(state, candidates, decision) if policy.name != "round_robin" else None
         try:
             # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
             # decision path: on the next loop turn, once the request is on its way upstream.
@@ -346,10 +351,17 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimates_log(state: RoutingState, candidates: list[str]) -> dict:
-    """Each candidate's load estimate (tracker.estimate's fields), all in one pass of the tracker."""
-    tracker, now = state.tracker, state.clock()
-    loads, delays = tracker.loads_and_delays(candidates, now)
+def _estimates_log(state: RoutingState, candidates: list[str], decision: Decision) -> dict:
+    """Each candidate's load estimate (tracker.estimate's fields): the in-flight counts and queueing
+    delays the policy decided on when it kept them (choose() changes no load), else one pass of the
+    tracker."""
+    tracker = state.tracker
+    figures = getattr(decision, "loads_and_delays", None)
+    if figures is not None:
+        now, loads, delays = figures
+    else:
+        now = state.clock()
+        loads, delays = tracker.loads_and_delays(candidates, now)
     stale_after_s = tracker.model.stale_after_s
     out = {}
     for name, in_flight, delay_s in zip(candidates, loads, delays):

@@ -273,8 +273,9 @@ class LoadTracker:
             waiting, running = load.waiting, load.decoding
             in_flight = waiting + running
             scraped = load.scraped
-            if now - scraped.at_s <= stale_after_s:
+            if now - scraped.at_s <= stale_after_s and (scraped.waiting or scraped.running):
                 # Traffic we did not route: assume its waiting requests are as long as ours on average.
+                # (A scrape that saw nothing running there has none: external() is (0, 0).)
                 extra_waiting, extra_running = scraped.external()
                 in_flight += extra_waiting + extra_running
                 if extra_waiting:

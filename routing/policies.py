@@ -42,6 +42,7 @@ def _within_bound(loads: dict[str, float], factor: float, slack: float) -> list[
 
 class LeastLoad:
     name = "least_load"
+    reads_prefixes = False  # the prompt's block hashes are not asked for
     timed = True  # ties on in-flight requests go to the shorter queue, in seconds
 
     def __init__(self, state: RoutingState, seed: int | None = None) -> None:
@@ -64,6 +65,7 @@ class LeastLoad:
 
 class ConsistentHash:
     name = "consistent_hash"
+    reads_prefixes = True
     timed = False
 
     def __init__(self, state: RoutingState, virtual_nodes: int = 100, epsilon: float = 0.25,
@@ -149,7 +151,8 @@ class CacheAwareDecision:
     with the candidates; the dicts and the reason text of the log record are built on demand
     (after the response), not on the decision path."""
     __slots__ = ("replica", "candidates", "predicted_cached_tokens", "_matched", "_loads",
-                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes", "_shared_prefix")
+                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes", "_shared_prefix",
+                 "loads_and_delays")
     policy = "cache_aware"
 
     def __init__(self, replica, candidates, predicted_cached_tokens, matched, loads, scores,
@@ -160,6 +163,7 @@ class CacheAwareDecision:
         self._why, self._balance_factor = why, balance_factor
         self.table, self.hashes = table, hashes  # for commit(): where the guess goes
         self._shared_prefix = shared_prefix  # the deepest match was a shared prefix too small to steer
+        self.loads_and_delays = None  # (now, loads, delays) the tracker gave choose(): the record's load estimate
 
     @property
     def matched_blocks(self) -> dict[str, int]:
@@ -242,6 +246,7 @@ class CacheAware:
     on its way."""
     name = "cache_aware"
     timed = True
+    reads_prefixes = True
 
     def __init__(self, state: RoutingState, prefill_weight: float = 2.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
@@ -327,8 +332,10 @@ class CacheAware:
             own_block = int(hashes[min(max(matched), n_blocks - 1)]) if n_blocks else None
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
-        return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                  allowed, why, self.balance_factor, table, hashes, shared_prefix)
+        decision = CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
+                                      allowed, why, self.balance_factor, table, hashes, shared_prefix)
+        decision.loads_and_delays = (now, loads, delays)
+        return decision
 
     def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
@@ -421,6 +428,7 @@ class SessionAffinity:
         self.state = state
         self.fallback = fallback
         self.timed = fallback.timed
+        self.reads_prefixes = getattr(fallback, "reads_prefixes", True)
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.balance_factor = balance_factor

@@ -49,6 +49,9 @@ class Policy(Protocol):
     # Its decisions read the load model's seconds (prefill rate, decode step), which the gateway
     # learns by timing answers: a non-streamed request is then sometimes relayed from a stream.
     timed: bool
+    # It reads the prompt's block hashes (request.block_hashes, or state.hashes): the gateway skips
+    # computing them for a policy that says False.
+    reads_prefixes: bool
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> Decision:
         """The replica for `request` among `candidates` (non-empty), and why. Changes nothing."""

@@ -9,6 +9,7 @@ from routing.policy import RouteRequest, RoutingDecision
 class RoundRobin:
     name = "round_robin"
     timed = False
+    reads_prefixes = False  # the prompt's block hashes are not asked for
 
     def __init__(self) -> None:
         self._turn: dict[str, int] = {}  # per model: how many requests it has routed
