@@ -309,10 +309,9 @@ class RoutedAttempt:
         if estimates is not None:
             self.log["load_estimate"] = estimates
         metrics = router.metrics
-        metrics.replica_in_flight(self.replica).inc()
+        metrics.add(metrics.in_flight, self.replica)
         if decision.predicted_cached_tokens:
-            metrics.replica_counter(metrics.predicted_cached_tokens, self.replica).inc(
-                decision.predicted_cached_tokens)
+            metrics.add(metrics.predicted_cached_tokens, self.replica, decision.predicted_cached_tokens)
 
     @property
     def started_decoding(self) -> bool:
@@ -340,9 +339,9 @@ class RoutedAttempt:
         if self.routed.done:
             return
         metrics = router.metrics
-        metrics.replica_in_flight(replica).dec()
+        metrics.add(metrics.in_flight, replica, -1)
         if self.cached_tokens is not None:
-            metrics.replica_counter(metrics.reported_cached_tokens, replica).inc(self.cached_tokens)
+            metrics.add(metrics.reported_cached_tokens, replica, self.cached_tokens)
             uncached = self.routed.prompt_tokens - self.cached_tokens
             if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:
                 router.observe_prefill(replica, uncached, self.first_token_s - self.routed_s)

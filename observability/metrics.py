@@ -2,10 +2,11 @@
 
 Per request the gateway touches a handful of labelled series; `labels()` validates and looks up
 its arguments each time (~2.5 us), so the hot ones are looked up once per label set and kept
-(`replica_in_flight`, `replica_counter`). A finished request's figures (count by replica and
-status, TTFT, inter-token gaps, latency, tokens) are added to plain Python totals under one lock,
+(`replica_counter`). A finished request's figures (count by replica and
+status, TTFT, inter-token gaps, latency, tokens) and each try's per-replica amounts (`add`: in
+flight, cached tokens predicted and reported) are added to plain Python totals under one lock,
 and folded into the Prometheus series every FLUSH_EVERY requests and whenever the registry is
-collected (a /metrics scrape, a worker's snapshot): ~12 locked updates per request become a few
+collected (a /metrics scrape, a worker's snapshot): ~15 locked updates per request become a few
 per batch, and what a scrape reads is always complete."""
 from __future__ import annotations
 
@@ -129,8 +130,17 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*values)
         return child
 
-    def replica_in_flight(self, replica: str):
-        return self._child(self.in_flight, replica)
+    def add(self, metric, replica: str, amount: float = 1) -> None:
+        """metric.labels(replica).inc(amount), folded in with the next flush (a Gauge's amount may
+        be negative): per request, a dict update instead of a locked prometheus_client update."""
+        key = (metric, replica)
+        with self._lock:
+            adds = self._adds
+            adds[key] = adds.get(key, 0) + amount
+            self._pending_adds += 1
+            full = self._pending_adds >= FLUSH_EVERY
+        if full:
+            self.flush()
 
     def replica_counter(self, metric, replica: str):
         return self._child(metric, replica)
@@ -164,15 +174,23 @@ class GatewayMetrics:
         self._prompt_tokens = 0
         self._completion_tokens = 0
         self._pending = 0
+        self._adds: dict[tuple[object, str], float] = {}  # (metric, replica) -> amount (add)
+        self._pending_adds = 0
 
     def flush(self) -> None:
         """Fold the finished requests' pending totals into the Prometheus series."""
         with self._lock:
-            if not self._pending:
+            if not self._pending and not self._pending_adds:
                 return
             counts, ttft, itl, e2e = self._counts, self._ttft, self._itl, self._e2e
             prompt_tokens, completion_tokens = self._prompt_tokens, self._completion_tokens
+            adds = self._adds
             self._reset_pending()
+        for (metric, replica), amount in adds.items():
+            if amount:
+                self._child(metric, replica).inc(amount)
+            else:  # a gauge back where it was: its series still shows, at its value
+                self._child(metric, replica)
         for (replica, status), count in counts.items():
             self._child(self.requests, replica, str(status)).inc(count)
         for histogram, values in ((self.ttft, ttft), (self.itl, itl), (self.e2e, e2e)):

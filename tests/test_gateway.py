@@ -283,8 +283,11 @@ def test_client_disconnect_mid_stream_stops_the_replica(gateway):
             assert chunk, "gateway closed the stream early"
             received += chunk
         assert received.startswith(b"HTTP/1.1 200")
+        # A scrape while it streams counts it in flight (the per-try amounts are folded in at collection).
+        assert metric(http("GET", gateway.url + "/metrics")[2], "kvgate_requests_in_flight") == 1
     record = gateway.record(request_id)
     assert record["error"] == "client_disconnected" and record["status"] == 499
+    assert metric(http("GET", gateway.url + "/metrics")[2], "kvgate_requests_in_flight") == 0
     replica = gateway.replicas[record["replica"]]
     deadline = time.monotonic() + 15
     while metric(http("GET", replica.url + "/metrics")[2], "vllm:num_requests_running") != 0:
