@@ -43,9 +43,12 @@ LEARN_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
 # A non-streamed answer times nothing (it arrives whole), so the first TIMED_FIRST non-streamed
 # requests of a model, and one in TIMED_EVERY after, are relayed from a streamed replica anyway
-# (times_non_stream): the load model learns from traffic that never streams too.
+# (times_non_stream): the load model learns from traffic that never streams too. A relayed answer
+# costs the gateway about twice a passed-through one, so past TIMED_EVERY / TIMED_GAP_S requests a
+# second (320) the timed ones are TIMED_GAP_S apart: 20 samples a second still track the replicas.
 TIMED_FIRST = 32
 TIMED_EVERY = 16
+TIMED_GAP_S = 0.05
 
 
 def _load_model(section: RoutingSection) -> LoadModel:
@@ -82,6 +85,7 @@ class Router:
         self.model_decode_scales: dict[str, tuple[float, int]] = {}
         self.adopted_decode_scales: dict[str, float] = {}  # model -> the scale its replicas' decode steps use
         self.non_stream_requests: dict[str, int] = {}  # model -> non-streamed requests so far
+        self.last_timed_s: dict[str, float] = {}       # model -> clock of its last timed one (after the first)
         self.apply(config)
         self._warm_up()
 
@@ -235,13 +239,21 @@ class Router:
 
     def times_non_stream(self, model: str) -> bool:
         """Whether this non-streamed request of `model` is to be relayed from a streamed replica
-        so that its first token and token intervals are timed (TIMED_FIRST, TIMED_EVERY), for a
-        policy that reads the load model's seconds."""
+        so that its first token and token intervals are timed (TIMED_FIRST, TIMED_EVERY, at most
+        one per TIMED_GAP_S), for a policy that reads the load model's seconds."""
         if not self.policy.timed:
             return False
         count = self.non_stream_requests.get(model, 0)
         self.non_stream_requests[model] = count + 1
-        return count < TIMED_FIRST or count % TIMED_EVERY == 0
+        if count < TIMED_FIRST:
+            return True
+        if count % TIMED_EVERY:
+            return False
+        now = self.state.clock()
+        if now - self.last_timed_s.get(model, float("-inf")) < TIMED_GAP_S:
+            return False
+        self.last_timed_s[model] = now
+        return True
 
     # ---- one request ----------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gateway.config import parse_config
+from gateway.router import TIMED_EVERY, TIMED_FIRST, TIMED_GAP_S, Router
+from observability.metrics import GatewayMetrics
 from routing.params import CacheAwareParams
 from tests.servers import free_port, run_gateway, run_replica
 from tests.test_engine_serving import TINY_KV_BYTES_PER_BLOCK
@@ -311,3 +314,24 @@ def test_the_gateway_learns_the_prefill_rate_and_decode_step_and_routes_in_secon
         assert estimate["decoding"] == 1
         assert abs(estimate["queue_delay_ms"] - step_s * 1000) <= 0.05 * step_s * 1000 + 0.01, (estimate, step_s)
         assert '"prefill_rate_differs"' not in gateway.server.logs()
+
+
+def test_non_streamed_requests_are_timed_first_then_one_in_n_at_most_one_per_gap():
+    """What the load model learns from traffic that never streams costs a relayed stream each: a
+    model's first requests, then one in TIMED_EVERY, but at saturation no more than one per
+    TIMED_GAP_S (a burst of 1,000 is timed TIMED_FIRST + 1 times, not 90)."""
+    config = parse_config("routing: {policy: cache_aware}\n"
+                          "replicas:\n  - {name: r0, url: 'http://127.0.0.1:1', model: m}\n")
+    router = Router(config, GatewayMetrics())
+    now = [100.0]
+    router.state.clock = lambda: now[0]
+    burst = [router.times_non_stream("m") for _ in range(1000)]
+    assert all(burst[:TIMED_FIRST]) and sum(burst[TIMED_FIRST:]) == 1
+    steady = 0
+    for _ in range(20 * TIMED_EVERY):  # 100 requests a second: one in TIMED_EVERY, as ever
+        now[0] += 0.01
+        steady += router.times_non_stream("m")
+    assert steady == 20 and 0.01 * TIMED_EVERY > TIMED_GAP_S
+    router.apply(parse_config("routing: {policy: round_robin}\n"
+                               "replicas:\n  - {name: r0, url: 'http://127.0.0.1:1', model: m}\n"))
+    assert not any(router.times_non_stream("m") for _ in range(100))  # nothing to learn for
