@@ -5,7 +5,10 @@ Routers: kvgate (`python -m gateway.cli serve`, one process, request records wit
 logged in JSON to a file) with round_robin and cache_aware; sglang-router 0.3.2 and vllm-router
 0.1.17 (bench/routers.py installs them in the bench's own virtualenv, never as kvgate
 dependencies) with round_robin and cache_aware. A router that cannot be installed or started here
-is named with the reason, and no row or target is printed for it.
+is named with the reason, and no row or target is printed for it. A reference row, "python floor":
+bench/floor_proxy.py, a uvloop byte pipe (each client connection piped to the next stub in turn, no
+HTTP parsing): what the event loop and the socket calls of a relayed request cost here, which any
+router written in Python pays before its own work.
 
 1. CPU per request at saturation: wrk -t1 -c64 (or, without wrk, bench/loadgen.py's closed loop
    in its own process) for `--saturation-s` per round, routers in a rotating order each round;
@@ -49,7 +52,7 @@ from bench.routers import (RouterUnavailable, run_sglang_router, run_vllm_router
                            vllm_router_python)
 from bench.stub_backend import StubProcess
 from replica.cpu_policy import POLICIES
-from tests.servers import ServerStartError, free_port, run_gateway
+from tests.servers import ServerStartError, free_port, run_gateway, run_process
 
 STUBS = 4
 OUTPUT_TOKENS = 16
@@ -225,6 +228,14 @@ def start_routers(stack: contextlib.ExitStack, directory: Path, stub_urls: list[
             port = free_port()
             server = stack.enter_context(run_gateway(gateway_config(directory, policy, stub_urls, port), port))
             routers.append(Router(f"kvgate {policy}", "kvgate", policy, server.url, server.proc.pid))
+    if "floor" in wanted:  # the reference: what a Python router cannot go below on this machine
+        port = free_port()
+        argv = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port)]
+        for url in stub_urls:
+            argv += ["--backend", url]
+        server = stack.enter_context(run_process(argv, f"http://127.0.0.1:{port}/v1/models", port=port,
+                                                 name="floor-proxy"))
+        routers.append(Router("python floor (byte pipe)", "floor", "per connection", server.url, server.proc.pid))
     for family, installer, runner in (("sglang-router", sglang_router_python, run_sglang_router),
                                       ("vllm-router", vllm_router_python, run_vllm_router)):
         if family.split("-")[0] not in wanted:
@@ -329,7 +340,9 @@ def _target(name: str, value: float, op: str, goal: float, digits: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvgate's hot path against sglang-router and vllm-router.")
     parser.add_argument("--quick", action="store_true", help="one short round of everything (~2 min)")
-    parser.add_argument("--routers", default="kvgate,sglang,vllm", help="comma-separated: kvgate,sglang,vllm")
+    parser.add_argument("--routers", default="kvgate,sglang,vllm,floor",
+                        help="comma-separated: kvgate,sglang,vllm,floor (floor: bench/floor_proxy.py, a uvloop "
+                             "byte pipe, what any Python router costs at least)")
     parser.add_argument("--saturation-s", type=float, default=8.0, help="seconds per saturation phase")
     parser.add_argument("--rounds", type=int, default=3, help="saturation rounds per router (fixed prompt)")
     parser.add_argument("--connections", type=int, default=64, help="closed-loop connections (wrk -c)")
