@@ -376,8 +376,10 @@ class Proxy:
         return [r for r in ready if r.spec.role == "mixed"]
 
     def _signal_room(self) -> None:
-        room, self._room = self._room, asyncio.Event()
-        room.set()
+        """A try ended: requests queued for room re-check (none queued, the usual case: nothing to do)."""
+        if self._queued:
+            room, self._room = self._room, asyncio.Event()
+            room.set()
 
     @staticmethod
     def _continuation(plan: _Plan, answer: Answer, replica: ReplicaState) -> bytes:
