@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import datetime
 
 import httpx2 as httpx
 import pytest
@@ -358,6 +359,33 @@ def test_no_healthy_replica_is_a_503_and_a_full_queue_a_429(tmp_path):
         status, headers, reply = http("POST", server.url + "/v1/completions",
                                       {**body_for("/v1/completions", 3, 4), "stream": False})
         assert status == 503 and headers["Retry-After"] == "1" and "No healthy replica" in reply["error"]["message"]
+
+
+def test_requests_queued_for_room_go_as_soon_as_a_try_ends(tmp_path):
+    """At max_in_flight_per_replica, requests wait in the gateway's queue and each goes the moment
+    the one ahead of it ends (not at the queue's next 0.5 s re-check), every one answered."""
+    with contextlib.ExitStack() as stack:
+        replica = stack.enter_context(run_replica("tiny"))
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_in_flight_per_replica: 1, queue_size: 8}}\n"
+                          + FAST_HEALTH + "logging: {format: json}\nreplicas:\n"
+                          f"  - {{name: r0, url: '{replica.url}', model: tiny}}\n")
+        server = stack.enter_context(run_gateway(config, port))
+        gateway = Gateway(server, [])
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(lambda i: stream(server.url, "/v1/completions", body_for("/v1/completions", i, 24),
+                                                     f"queued-{i}"), range(5)))
+        assert all(a["done"] == 1 and len(a["ids"]) == 24 and a["error"] is None for a in answers)
+        spans = []  # (routed, finished) in wall-clock seconds, from each record
+        for i in range(5):
+            record = gateway.record(f"queued-{i}")
+            finished = datetime.fromisoformat(record["timestamp"]).timestamp()
+            started = finished - record["e2e_ms"] / 1000
+            spans.append((started + record["routed_ms"] / 1000, finished))
+        spans.sort()
+        waits = [routed - spans[n - 1][1] for n, (routed, _) in enumerate(spans) if n]
+        assert max(waits) < 0.1, waits  # woken by the try's end; the 0.5 s re-check would leave gaps
 
 
 def test_drain_takes_a_replica_out_without_dropping_its_requests_and_sigterm_drains_the_gateway(up):
