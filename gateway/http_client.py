@@ -241,11 +241,6 @@ class Response:
             conn.close()
 
 
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 _HEAD, _BODY, _DONE = range(3)
 
 
@@ -267,6 +262,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._paused = False
         self._waiter: asyncio.Future | None = None
+        self._deadline: float | None = None         # the waiting read's, loop time
+        self._timer: asyncio.TimerHandle | None = None  # at or before _deadline (see _wait)
         self._keep_alive = True
         self._to_eof = False       # no Content-Length, not chunked: the body ends with the connection
         self.got_bytes = False
@@ -289,6 +286,7 @@ class _Connection(asyncio.Protocol):
             self.error = Disconnected(f"connection closed by the replica: {exc}" if exc
                                       else "connection closed by the replica")
         self._wake()
+        self._stop_timer()
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -386,21 +384,44 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._keep_alive = False
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
     async def _wait(self, deadline: float | None) -> None:
-        """Until the next read (or close); TimeoutError past `deadline`. One timer per wait that
-        actually waits: no timeout context per read."""
+        """Until the next read (or close); TimeoutError past `deadline`. One timer per connection,
+        not per wait: it stays armed across waits and answers (a request's deadline is seconds to
+        minutes away, its answer milliseconds), is moved only to an earlier deadline, and when it
+        fires before the waiting read's deadline it re-arms for it (HotProtocol's timers, the same
+        way): a request costs no timer of its own."""
         loop = self.loop
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+        self._deadline = deadline
+        if deadline is not None:
+            timer = self._timer
+            if timer is None or timer.when() > deadline:
+                if timer is not None:
+                    timer.cancel()
+                self._timer = loop.call_at(deadline, self._timed_out)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        waiter, deadline = self._waiter, self._deadline
+        if waiter is None or waiter.done() or deadline is None:
+            return  # nothing waits (the timer outlived its wait): the next wait arms one if needed
+        if self.loop.time() < deadline:  # armed for an earlier wait's deadline
+            self._timer = self.loop.call_at(deadline, self._timed_out)
+            return
+        waiter.set_exception(TimeoutError())
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter

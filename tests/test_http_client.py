@@ -122,6 +122,34 @@ def test_a_read_that_times_out_loses_nothing_and_an_until_close_body_ends_with_t
     run(main())
 
 
+def test_a_connections_timer_outliving_a_short_deadline_never_cuts_a_later_longer_one():
+    """One timer per connection, kept across answers: a wait whose deadline is later than the
+    timer's re-arms it instead of timing out, and a wait whose deadline is earlier moves it."""
+    async def main():
+        slow = [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"a", b"b", b"c", b"d", b"e"]
+        script = Scripted([[b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], slow, slow])
+        server, origin = await serve(script)
+        client = UpstreamClient(connect_timeout_s=2)
+        loop = asyncio.get_running_loop()
+        first = await client.post(origin, "/x", b"{}", deadline=loop.time() + 0.05)
+        assert await first.read(loop.time() + 0.05) == b"ok"  # the timer stays armed for +0.05 s
+        first.release()
+        started = loop.time()
+        second = await client.post(origin, "/x", b"{}", deadline=loop.time() + 5)  # the same connection
+        assert await second.read(loop.time() + 5) == b"abcde" and loop.time() - started > 0.08
+        second.release()
+        third = await client.post(origin, "/x", b"{}", deadline=loop.time() + 5)
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await third.read(loop.time() + 0.03)
+        assert 0.025 < loop.time() - started < 1
+        third.close()
+        assert script.connections == 1
+        await client.close()
+        server.close()
+    run(main())
+
+
 def test_refused_and_garbage_answers_are_named():
     async def main():
         client = UpstreamClient(connect_timeout_s=2)
