@@ -97,10 +97,10 @@ class Grant:
         self.record = None
         self.reserved_tokens: int | None = None
 
-    def admit(self, parsed: AnyRequest, raw: dict, record) -> None:
+    def admit(self, parsed: AnyRequest, raw: dict | None, record) -> None:
         """Apply the key to a decoded request (model, tenant salt, client fields it may not send,
         max_tokens cap), then check the prompt's length and charge tokens/min. Edits `parsed` and
-        `raw` (what the replica gets) in place."""
+        `raw` (what the replica gets) in place; `raw` is None without a key (nothing to edit)."""
         key = self.key
         self.record = record
         if key is not None:

@@ -67,14 +67,15 @@ class TryFailed(Exception):
 
 class _Plan:
     """Everything about one request that every try of it reuses."""
-    __slots__ = ("parsed", "raw", "model", "prompt_ids", "_router", "_hashes", "session_key", "streamed_upstream",
-                 "payload", "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
+    __slots__ = ("parsed", "_raw", "_body", "model", "prompt_ids", "_router", "_hashes", "session_key",
+                 "streamed_upstream", "payload", "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
 
-    def __init__(self, parsed: AnyRequest, raw: dict, model: str, prompt_ids: list[int], router: Router, session_key,
-                 streamed_upstream: bool, payload: bytes, deadline: float, pd: PDState | None,
-                 ttft_timeout_s: float, inter_token_timeout_s: float) -> None:
+    def __init__(self, parsed: AnyRequest, raw: dict | None, body: bytes, model: str, prompt_ids: list[int],
+                 router: Router, session_key, streamed_upstream: bool, payload: bytes, deadline: float,
+                 pd: PDState | None, ttft_timeout_s: float, inter_token_timeout_s: float) -> None:
         self.parsed = parsed
-        self.raw = raw
+        self._raw = raw    # None: `payload` is the client's body with return_token_ids spliced in
+        self._body = body
         self.model = model
         self.prompt_ids = prompt_ids
         self._router = router
@@ -86,6 +87,15 @@ class _Plan:
         self.pd = pd                                # set when the model is served by prefill/decode pools
         self.ttft_timeout_s = ttft_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
+
+    @property
+    def raw(self) -> dict:
+        """The replica's copy of the request as a dict (a P/D leg and a resumed stream build their
+        bodies from it), decoded from the client's body when its payload was spliced."""
+        if self._raw is None:
+            self._raw = _decode_json(self._body)
+            self._raw["return_token_ids"] = True  # the splice's one change (see _with_token_ids)
+        return self._raw
 
     def hashes(self) -> Sequence[int]:
         """The prompt's block hashes for a try's routing: computed on the first try that needs them
@@ -177,8 +187,7 @@ class Proxy:
 
     async def _serve(self, exchange: Exchange, record: RequestRecord, decode, reply_headers: dict) -> None:
         body = await exchange.body()
-        parsed = decode(body)
-        raw = _decode_json(body)  # decode() proved it is a JSON object
+        parsed = decode(body)  # proves the body is a JSON object
         record.stream = parsed.stream
         model = self._resolve_model(parsed.model)
         record.model = model
@@ -192,7 +201,9 @@ class Proxy:
         record.prompt_tokens = len(prompt_ids)
         # ---- auth hook (gateway/auth.py): the caller's key applies its model list, tenant cache_salt,
         # max_tokens cap, prompt limit and tokens/min, editing parsed/raw before routing hashes them.
-        exchange.grant.admit(parsed, raw, record)
+        grant = exchange.grant
+        raw = None if grant.key is None else _decode_json(body)  # the replica's copy, when a key edits it
+        grant.admit(parsed, raw, record)
         self._check_context(parsed, prompt_ids, candidates)
 
         chat = isinstance(parsed, ChatCompletionRequest)
@@ -202,17 +213,28 @@ class Proxy:
         # fields whose stream form we do not collect always pass through.
         gateway = self.pool.config.gateway
         router = self.router
-        collectable = parsed.stream or ((gateway.resume_non_stream or router.times_non_stream(model))
-                                        and _collectable(raw, body))
-        raw["return_token_ids"] = True
-        raw["model"] = model
-        if collectable:
-            raw["stream"] = True
-            raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+        collectable = parsed.stream
+        if not collectable and (gateway.resume_non_stream or router.times_non_stream(model)):
+            raw = raw if raw is not None else _decode_json(body)
+            collectable = _collectable(raw, body)
+        # The replica's copy: the client's bytes with "return_token_ids": true added when that is the
+        # only change (the usual non-streamed request: no decode and re-encode of a long prompt),
+        # else the edited dict.
+        payload = None
+        if raw is None and not collectable and parsed.model == model and parsed.return_token_ids is None:
+            payload = _with_token_ids(body)
+        if payload is None:
+            raw = raw if raw is not None else _decode_json(body)
+            raw["return_token_ids"] = True
+            raw["model"] = model
+            if collectable:
+                raw["stream"] = True
+                raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+            payload = _encode_json(raw)
         total_s, ttft_s, itl_s = gateway.timeouts(model)
         loop = asyncio.get_running_loop()
-        plan = _Plan(parsed, raw, model, prompt_ids, router,
-                     router.session_key(exchange.headers, parsed.user), collectable, _encode_json(raw),
+        plan = _Plan(parsed, raw, body, model, prompt_ids, router,
+                     router.session_key(exchange.headers, parsed.user), collectable, payload,
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
         echo_chars = 0
         if getattr(parsed, "echo", False) and isinstance(parsed.prompt, str):
@@ -584,6 +606,21 @@ class Proxy:
         lengths = [c.max_model_len for c in candidates if c.max_model_len]
         if lengths:
             fit_max_tokens(parsed, len(prompt_ids), min(lengths), None)
+
+
+def _with_token_ids(body: bytes) -> bytes | None:
+    """A JSON object's bytes with "return_token_ids": true as their last member, or None when that
+    could clash with a member already there (the key appears in the body at all: as a key, or as
+    a string that looks like one) or the object is empty. Unescaped, `"return_token_ids"` cannot
+    appear inside a JSON string (its quotes would be escaped), so a body without it has no such key
+    spelt plainly; a key spelt with escapes decodes to a value, which sends the request the other way."""
+    if b'"return_token_ids"' in body:
+        return None
+    end = body.rstrip()
+    inner = end[:-1].rstrip()
+    if not end.endswith(b"}") or inner.endswith(b"{"):
+        return None
+    return inner + b',"return_token_ids":true}'
 
 
 def _collectable(raw: dict, body: bytes) -> bool:

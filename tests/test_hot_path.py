@@ -202,3 +202,59 @@ def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(t
             while b"0\r\n\r\n" not in rest:
                 rest += _recv(sock)
             assert b'" a"' in rest and b'" b"' in rest and b"[DONE]" in rest and b"token_ids" not in rest
+
+
+def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_spelling(tmp_path):
+    """The replica's copy of a non-streamed request is the client's own bytes with
+    "return_token_ids": true added (or, when the body names that key or the gateway edits it, the
+    edited object): every field the client sent arrives, the replica is always asked for token
+    IDs, and the client gets them only if it asked."""
+    from aiohttp import web
+
+    from replica.tiny import tiny_checkpoint_dir
+    from tests.servers import openai_upstream
+
+    received: list[dict] = []
+    received_bytes: list[bytes] = []
+
+    async def completions(request):
+        received_bytes.append(await request.read())
+        body = json.loads(received_bytes[-1])  # the replica's parser: last duplicate wins, as vLLM's
+        received.append(body)
+        ids = [5, 6, 7] if body.get("return_token_ids") else None
+        return web.json_response({
+            "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "echo",
+            "choices": [{"index": 0, "text": " x y z", "finish_reason": "length", "token_ids": ids,
+                         "prompt_token_ids": [1, 2] if ids else None}],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+
+    pretty = b'{\n  "model": "echo",\n  "prompt": "say \\"return_token_ids\\" twice",\n  "max_tokens": 3,\n' \
+             b'  "top_k": 5,\n  "vendor_x": {"a": [1, 2], "b": "}"}\n}\n\n'
+    bodies = {
+        "pretty": (pretty, None),
+        "asks": (b'{"model": "echo", "prompt": "hi", "max_tokens": 3, "return_token_ids": true}', True),
+        "declines": (b'{"model": "echo", "prompt": "hi", "max_tokens": 3, "return_token_ids": false}', False),
+        "value": (b'{"model": "echo", "prompt": "return_token_ids", "max_tokens": 3}', None),
+        "no-model": (b'{"prompt": "hi", "max_tokens": 3, "vendor_y": null}', None),
+    }
+    with openai_upstream("echo", completions) as upstream:
+        port = free_port()
+        config = tmp_path / "gateway.yaml"
+        config.write_text(
+            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
+            f"routing: {{policy: round_robin}}\nreplicas:\n"
+            f"  - {{name: echo-0, url: '{upstream}', model: echo, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+        with run_gateway(config, port) as server:
+            gateway = Gateway(server, [])
+            for name, (raw, asked) in bodies.items():
+                status, _, reply = http("POST", server.url + "/v1/completions", raw,
+                                        {"content-type": "application/json", "x-request-id": f"splice-{name}"})
+                assert status == 200, (name, reply)
+                sent = received[-1]
+                client = json.loads(raw)
+                assert sent["return_token_ids"] is True and sent["model"] == "echo", name
+                assert all(sent[key] == value for key, value in client.items() if key != "return_token_ids"), name
+                assert ("token_ids" in reply["choices"][0]) == bool(asked), (name, reply)
+                assert gateway.record(f"splice-{name}")["output_token_ids"] == [5, 6, 7], name
+            # The usual body went as the client wrote it (its spacing too), one member longer.
+            assert received_bytes[0] == pretty.rstrip()[:-1].rstrip() + b',"return_token_ids":true}'
