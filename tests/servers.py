@@ -145,6 +145,20 @@ def run_gateway(config_path: str | Path, port: int, *, ready_timeout_s: float = 
         yield gateway
 
 
+def gateway_config_over(directory: Path, upstream: str, model: str) -> tuple[Path, int]:
+    """A round-robin gateway's config in `directory` over one OpenAI-shaped upstream serving
+    `model` (the tiny tokenizer), and the free port it names."""
+    from replica.tiny import tiny_checkpoint_dir
+
+    port = free_port()
+    config = directory / "gateway.yaml"
+    config.write_text(
+        f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
+        f"routing: {{policy: round_robin}}\nreplicas:\n"
+        f"  - {{name: {model}-0, url: '{upstream}', model: {model}, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+    return config, port
+
+
 @contextlib.contextmanager
 def openai_upstream(model: str, completions, **runner_kwargs) -> Iterator[str]:
     """An OpenAI-shaped aiohttp server on its own thread (/health, /v1/models serving `model`,

@@ -12,8 +12,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from replica.tiny import tiny_checkpoint_dir
-from tests.servers import free_port, openai_upstream, run_gateway
+from tests.servers import gateway_config_over, openai_upstream, run_gateway
 
 
 def overloaded_upstream():
@@ -27,12 +26,7 @@ def overloaded_upstream():
 
 def test_replica_overload_is_a_429_with_its_retry_after(tmp_path):
     with overloaded_upstream() as upstream:
-        port = free_port()
-        config = tmp_path / "gateway.yaml"
-        config.write_text(
-            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
-            f"routing: {{policy: round_robin}}\nreplicas:\n"
-            f"  - {{name: busy-0, url: '{upstream}', model: busy, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+        config, port = gateway_config_over(tmp_path, upstream, "busy")
         with run_gateway(config, port) as gateway:
             request = urllib.request.Request(gateway.url + "/v1/completions", method="POST",
                                              data=b'{"model": "busy", "prompt": "hi", "max_tokens": 4}',

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from bench.stub_backend import StubProcess
-from tests.servers import free_port, run_gateway
+from tests.servers import free_port, gateway_config_over, openai_upstream, run_gateway
 from tests.test_gateway import Gateway, http
 
 
@@ -165,8 +165,6 @@ def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(t
     must still go out at once, not when the first token does."""
     from aiohttp import web
 
-    from replica.tiny import tiny_checkpoint_dir
-    from tests.servers import openai_upstream
 
     async def completions(request):
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -182,12 +180,7 @@ def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(t
         return response
 
     with openai_upstream("slow", completions) as upstream:
-        port = free_port()
-        config = tmp_path / "gateway.yaml"
-        config.write_text(
-            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
-            f"routing: {{policy: round_robin}}\nreplicas:\n"
-            f"  - {{name: slow-0, url: '{upstream}', model: slow, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+        config, port = gateway_config_over(tmp_path, upstream, "slow")
         with run_gateway(config, port), socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             started = time.monotonic()
             sock.sendall(post("/v1/completions", {"model": "slow", "prompt": "hi", "max_tokens": 2,
@@ -211,8 +204,6 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
     IDs, and the client gets them only if it asked."""
     from aiohttp import web
 
-    from replica.tiny import tiny_checkpoint_dir
-    from tests.servers import openai_upstream
 
     received: list[dict] = []
     received_bytes: list[bytes] = []
@@ -238,12 +229,7 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
         "no-model": (b'{"prompt": "hi", "max_tokens": 3, "vendor_y": null}', None),
     }
     with openai_upstream("echo", completions) as upstream:
-        port = free_port()
-        config = tmp_path / "gateway.yaml"
-        config.write_text(
-            f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json}}\n"
-            f"routing: {{policy: round_robin}}\nreplicas:\n"
-            f"  - {{name: echo-0, url: '{upstream}', model: echo, tokenizer: '{tiny_checkpoint_dir()}'}}\n")
+        config, port = gateway_config_over(tmp_path, upstream, "echo")
         with run_gateway(config, port) as server:
             gateway = Gateway(server, [])
             for name, (raw, asked) in bodies.items():
