@@ -262,8 +262,8 @@ class Router:
 
     @property
     def reads_prefixes(self) -> bool:
-        """Whether the policy routes on the prompt's block hashes (a policy that does not say is taken to)."""
-        return getattr(self.policy, "reads_prefixes", True)
+        """Whether the policy routes on the prompt's block hashes."""
+        return self.policy.reads_prefixes
 
     def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> np.ndarray:
         """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt, kept

@@ -150,7 +150,7 @@ class _SharedPolicy:
         self.inner = inner
         self.name = inner.name
         self.timed = inner.timed
-        self.reads_prefixes = getattr(inner, "reads_prefixes", True)
+        self.reads_prefixes = inner.reads_prefixes
         self._publish = publish
         self._sessions: dict[int, str] = {}  # id(decision) -> session key, until its commit
         self.choose = self._choose_with_session if isinstance(inner, SessionAffinity) else inner.choose

@@ -428,7 +428,7 @@ class SessionAffinity:
         self.state = state
         self.fallback = fallback
         self.timed = fallback.timed
-        self.reads_prefixes = getattr(fallback, "reads_prefixes", True)
+        self.reads_prefixes = fallback.reads_prefixes
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.balance_factor = balance_factor

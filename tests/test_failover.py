@@ -334,15 +334,21 @@ def test_retries_skip_a_failing_replica_then_stop_when_every_replica_fails(tmp_p
             assert record["status"] == 500 and len(record["failover"]) == 3  # bounded: max_attempts
 
 
+def one_slot_gateway(tmp_path, replica, queue_size: int):
+    """A gateway over `replica` (as r0) that lets one request at a time run there and queues
+    `queue_size` more."""
+    port = free_port()
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_in_flight_per_replica: 1, "
+                      f"queue_size: {queue_size}}}\n" + FAST_HEALTH + "logging: {format: json}\nreplicas:\n"
+                      f"  - {{name: r0, url: '{replica.url}', model: tiny}}\n")
+    return run_gateway(config, port)
+
+
 def test_no_healthy_replica_is_a_503_and_a_full_queue_a_429(tmp_path):
     with contextlib.ExitStack() as stack:
         replica = stack.enter_context(run_replica("tiny"))
-        port = free_port()
-        config = tmp_path / "gw.yaml"
-        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_in_flight_per_replica: 1, queue_size: 0}}\n"
-                          + FAST_HEALTH + "logging: {format: json}\nreplicas:\n"
-                          f"  - {{name: r0, url: '{replica.url}', model: tiny}}\n")
-        server = stack.enter_context(run_gateway(config, port))
+        server = stack.enter_context(one_slot_gateway(tmp_path, replica, queue_size=0))
         long = threading.Thread(target=stream, args=(server.url, "/v1/completions",
                                                      body_for("/v1/completions", 1, 1500), "long"))
         long.start()
@@ -366,12 +372,7 @@ def test_requests_queued_for_room_go_as_soon_as_a_try_ends(tmp_path):
     the one ahead of it ends (not at the queue's next 0.5 s re-check), every one answered."""
     with contextlib.ExitStack() as stack:
         replica = stack.enter_context(run_replica("tiny"))
-        port = free_port()
-        config = tmp_path / "gw.yaml"
-        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}, max_in_flight_per_replica: 1, queue_size: 8}}\n"
-                          + FAST_HEALTH + "logging: {format: json}\nreplicas:\n"
-                          f"  - {{name: r0, url: '{replica.url}', model: tiny}}\n")
-        server = stack.enter_context(run_gateway(config, port))
+        server = stack.enter_context(one_slot_gateway(tmp_path, replica, queue_size=8))
         gateway = Gateway(server, [])
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             answers = list(pool.map(lambda i: stream(server.url, "/v1/completions", body_for("/v1/completions", i, 24),
