@@ -137,6 +137,25 @@ def test_every_bench_script_runs_the_way_the_readmes_show():
         assert done.returncode == 0 and "usage" in done.stdout.lower(), (name, done.stderr[-500:])
 
 
+def test_request_cost_counts_a_real_gateways_python_work_per_request():
+    """bench.request_cost's opcode counter, through a real gateway over the stubs: a per-request
+    figure in the range a routed, logged request takes, with the proxy's own functions on top."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "bench.request_cost", "--counter", "opcodes", "--quick",
+                           "--requests", "50"], cwd=root, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    opcodes = int(re.search(r"figure kvgate_round_robin_fixed_opcodes_per_request: (\d+)", done.stdout).group(1))
+    calls = float(re.search(r"figure kvgate_round_robin_fixed_python_calls_per_request: ([\d.]+)",
+                            done.stdout).group(1))
+    assert 1_000 < opcodes < 50_000 and 20 < calls < 2_000, (opcodes, calls)
+    assert "proxy.py" in done.stdout and "hot_path.py" in done.stdout  # the top functions are the request path's
+
+
 def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_after():
     """bench.cpu_caps, which bench.cache_routing puts each replica under: a busy loop capped at
     0.2 of a core spends about 0.2 s of CPU per second, where uncapped it would spend about 1."""
