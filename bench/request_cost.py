@@ -191,7 +191,7 @@ def count_one(tree: Path, policy: str, workload: str, counter: str, requests: in
         out.unlink()
         return {"per_request": sum(int(r[0]) for r in rows) / requests,
                 "calls": sum(int(r[1]) for r in rows) / requests,
-                "top": [(int(r[0]) / requests, int(r[1]) / requests, f"{r[2]} {r[3]}") for r in rows[:15]]}
+                "top": [(int(r[0]) / requests, int(r[1]) / requests, f"{r[2]} {r[3]}") for r in rows[:int(os.environ.get("REQUEST_COST_TOP", "15"))]]}
 
 
 def _callgrind_total(path: Path) -> int:
