@@ -354,11 +354,12 @@ class Proxy:
         tracker = self.router.state.tracker
         loop = asyncio.get_running_loop()
         queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
+        limit = gateway.max_in_flight_per_replica
         while True:
             ready = self._main_pool(plan)
-            fresh = [r for r in ready if r.name not in failed]
-            ready = fresh or ready
-            names = [r.name for r in ready if tracker.own_in_flight(r.name) < gateway.max_in_flight_per_replica]
+            if failed:
+                ready = [r for r in ready if r.name not in failed] or ready
+            names = [r.name for r in ready if tracker.own_in_flight(r.name) < limit]
             if names:
                 return names
             if not ready and not retry:
