@@ -275,8 +275,11 @@ class Follower:
     """`kvgate tail FILE --wide` as a live process; its output lines arrive on queues."""
 
     def __init__(self, *args: str) -> None:
+        # Ctrl-C as at a terminal: SIGINT at its default even when the suite runs as a background
+        # job, whose children inherit it ignored (and Python then keeps it ignored).
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "tail", "--wide", *args], cwd=REPO_ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.stdout: queue.Queue[str] = queue.Queue()
         self.stderr: queue.Queue[str] = queue.Queue()
         for pipe, lines in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
