@@ -42,6 +42,7 @@ from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound,
 from protocol.requests import (UNHONOURED_NAMES, AnyRequest, ChatCompletionRequest, check_honoured, decode_chat,
                                decode_completion, fit_max_tokens, requested_max_tokens, stop_strings)
 from protocol.sse import DONE_EVENT, EventSplitter, event
+from protocol.stream_chunks import decode_answer, strip_prompt_token_ids, strip_token_ids
 
 
 log = structlog.get_logger("kvgate.proxy")
@@ -540,29 +541,25 @@ class Proxy:
                 upstream.release()
         attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
         attempt.first_token()
+        wants_token_ids = answer.spec.wants_token_ids
+        if not wants_token_ids:  # the prompt's IDs, echoed: cut before reading the rest (the record has ours)
+            body = strip_prompt_token_ids(body)
         try:
-            reply = _decode_json(body)
+            reply = decode_answer(body)
         except msgspec.DecodeError:
-            reply = None
-        choices = reply.get("choices") if isinstance(reply, dict) else None
-        if not isinstance(choices or [], list) or not isinstance((choices or [{}])[0], dict) \
-                or not isinstance(reply.get("usage") or {}, dict):
             raise TryFailed("unreadable answer", UpstreamError(
-                f"Replica {replica.name} sent an answer that is not an OpenAI response.", code="upstream_error"))
+                f"Replica {replica.name} sent an answer that is not an OpenAI response.",
+                code="upstream_error")) from None
         self.pool.report(replica, ok=True)
-        choice = (choices or [{}])[0]
-        record.output_token_ids = list(choice.get("token_ids") or [])
-        record.finish_reason = choice.get("finish_reason")
+        choice = reply.choices[0] if reply.choices else None
+        record.output_token_ids = list(choice.token_ids or ()) if choice is not None else []
+        record.finish_reason = choice.finish_reason if choice is not None else None
         record.completion_tokens = len(record.output_token_ids)
-        usage = reply.get("usage") or {}
-        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if not answer.spec.wants_token_ids:
-            reply.pop("prompt_token_ids", None)
-            for item in reply.get("choices") or []:
-                item.pop("token_ids", None)
-                item.pop("prompt_token_ids", None)
-            body = _encode_json(reply)
-        await answer.exchange.respond(200, body, answer.reply_headers)
+        details = reply.usage.prompt_tokens_details if reply.usage is not None else None
+        record.cached_tokens = details.cached_tokens if details is not None else None
+        # The replica's bytes go through (fields the gateway does not know included), without the
+        # token IDs the client did not ask for.
+        await answer.exchange.respond(200, body if wants_token_ids else strip_token_ids(body), answer.reply_headers)
 
     async def _status_error(self, upstream: Response, replica: ReplicaState, deadline: float) -> Exception:
         """A replica's non-200: the client's error (4xx) to pass through, or TryFailed to try elsewhere."""

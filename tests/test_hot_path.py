@@ -244,3 +244,59 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
                 assert gateway.record(f"splice-{name}")["output_token_ids"] == [5, 6, 7], name
             # The usual body went as the client wrote it (its spacing too), one member longer.
             assert received_bytes[0] == pretty.rstrip()[:-1].rstrip() + b',"return_token_ids":true}'
+
+
+def test_a_non_streamed_answer_goes_through_as_the_replicas_bytes_without_the_ids_not_asked_for(tmp_path):
+    """A non-streamed answer reaches the client as the replica wrote it (its vendor fields and
+    member order kept), less the token IDs the client did not ask for: a long prompt's echoed IDs
+    too, in compact JSON (as vLLM writes) and spaced JSON alike. The record has the output IDs
+    either way; an answer that is not an OpenAI response is the replica's fault, not a 200."""
+    import msgspec
+    from aiohttp import web
+
+    prompt_ids = list(range(100, 3100))  # a ~15 KB echo: past the size where the IDs are cut by a scan
+
+    async def completions(request):
+        body = json.loads(await request.read())
+        if body["prompt"] == "broken":
+            return web.json_response({"id": "cmpl-x", "choices": 7})
+        answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "echo",
+                  "choices": [{"index": 0, "text": " x y z", "logprobs": None, "finish_reason": "length",
+                               "stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": [5, 6, 7]}],
+                  "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 3, "total_tokens": 3003,
+                            "prompt_tokens_details": {"cached_tokens": 48}},
+                  "system_fingerprint": "fp-1", "kv_transfer_params": None}
+        if body["prompt"] == "spaced":
+            return web.json_response(answer)  # json.dumps: ", " and ": "
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+
+    with openai_upstream("echo", completions) as upstream:
+        config, port = gateway_config_over(tmp_path, upstream, "echo")
+        with run_gateway(config, port) as server:
+            gateway = Gateway(server, [])
+            for prompt in ("compact", "spaced"):
+                for asked in (False, True):
+                    request_id = f"answer-{prompt}-{asked}"
+                    body = {"model": "echo", "prompt": prompt, "max_tokens": 3}
+                    if asked:
+                        body["return_token_ids"] = True
+                    status, _, reply = http("POST", server.url + "/v1/completions", json.dumps(body).encode(),
+                                            {"content-type": "application/json", "x-request-id": request_id})
+                    assert status == 200, (request_id, reply)
+                    choice = reply["choices"][0]
+                    assert list(reply) == ["id", "object", "created", "model", "choices", "usage",
+                                           "system_fingerprint", "kv_transfer_params"], request_id
+                    assert choice["text"] == " x y z" and choice["finish_reason"] == "length", request_id
+                    if asked:
+                        assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == [5, 6, 7]
+                    else:
+                        assert "prompt_token_ids" not in choice and "token_ids" not in choice, request_id
+                        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
+                    record = gateway.record(request_id)
+                    assert record["output_token_ids"] == [5, 6, 7] and record["cached_tokens"] == 48, request_id
+                    assert record["finish_reason"] == "length" and record["completion_tokens"] == 3, request_id
+            status, _, reply = http("POST", server.url + "/v1/completions",
+                                    b'{"model": "echo", "prompt": "broken", "max_tokens": 3}',
+                                    {"content-type": "application/json", "x-request-id": "answer-broken"})
+            assert status == 502 and "not an OpenAI response" in reply["error"]["message"], (status, reply)
+            assert gateway.record("answer-broken")["status"] == 502

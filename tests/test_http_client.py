@@ -238,3 +238,31 @@ def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_t
     compact = (b'{"choices":[{"index":0,"text":"a,\\"token_ids\\":[1]","finish_reason":null,"token_ids":[7,8],'
                b'"prompt_token_ids":null}],"prompt_token_ids":[1,2]}')
     assert strip_token_ids(compact) == b'{"choices":[{"index":0,"text":"a,\\"token_ids\\":[1]","finish_reason":null}]}'
+
+
+def test_a_long_answers_token_ids_are_cut_the_same_way_and_its_prompt_ids_first():
+    """Past FIND_ABOVE_BYTES the compact members are cut by a scan for the key, not the regex: the
+    same bytes come out, text that spells a key stays, and a list holding anything but IDs is left
+    to the general pattern. strip_prompt_token_ids cuts only the prompt's (long answers only)."""
+    from protocol.stream_chunks import _COMPACT_TOKEN_IDS, _TOKEN_IDS, FIND_ABOVE_BYTES, strip_prompt_token_ids
+
+    prompt = b",".join(b"%d" % i for i in range(2000))
+    answer = (b'{"id":"c","choices":[{"index":0,"text":"a,\\"token_ids\\":[1],\\"prompt_token_ids\\":[2]",'
+              b'"logprobs":null,"finish_reason":"length","prompt_token_ids":[' + prompt + b'],"token_ids":[7,8]},'
+              b'{"index":1,"text":"x","token_ids":null,"odd":{"token_ids":[1,"2"]}}],'
+              b'"usage":{"prompt_tokens":2000},"prompt_token_ids":[' + prompt + b"]}")
+    assert len(answer) > FIND_ABOVE_BYTES
+    reference = _COMPACT_TOKEN_IDS.sub(b"", answer)
+    reference = _TOKEN_IDS.sub(b"", reference) if b'token_ids"' in reference else reference
+    stripped = strip_token_ids(answer)
+    assert stripped == reference
+    assert msgspec.json.decode(stripped) == {
+        "id": "c", "usage": {"prompt_tokens": 2000},
+        "choices": [{"index": 0, "text": 'a,"token_ids":[1],"prompt_token_ids":[2]', "logprobs": None,
+                     "finish_reason": "length"},
+                    {"index": 1, "text": "x", "odd": {"token_ids": [1, "2"]}}]}
+    only_prompt = msgspec.json.decode(strip_prompt_token_ids(answer))
+    assert "prompt_token_ids" not in only_prompt and "prompt_token_ids" not in only_prompt["choices"][0]
+    assert only_prompt["choices"][0]["token_ids"] == [7, 8] and only_prompt["choices"][1]["token_ids"] is None
+    short = b'{"choices":[{"prompt_token_ids":[1],"token_ids":[2]}]}'
+    assert strip_prompt_token_ids(short) == short  # a short answer is decoded whole
