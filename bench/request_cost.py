@@ -10,7 +10,8 @@ set of requests through a real gateway in front of the bench's 4 stubs (bench/st
                 with the functions that execute the most (sys.settrace opcode events)
 
 Both are counted for round_robin and cache_aware, on a fixed prompt, unique prompts (a number in
-front: every block new) and streamed requests, with token-ID logging on (bench/vs_routers.py's
+front: every block new), streamed requests and a long prompt (~2,000 tokens, non-streamed: the
+replica echoes its IDs), with token-ID logging on (bench/vs_routers.py's
 gateway config). `--against REV` counts a git revision the same way in the same run (a worktree
 under the temp dir), for a before/after ratio of a change.
 
@@ -39,7 +40,8 @@ from bench.vs_routers import OUTPUT_TOKENS, POLICIES, PROMPT, body, gateway_conf
 from tests.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("fixed", "unique", "stream")
+WORKLOADS = ("fixed", "unique", "stream", "long")
+LONG_PROMPT_REPEATS = 100  # the "long" workload: the bench prompt 100 times, ~2,000 tokens (a RAG or agent prompt)
 CONNECTIONS = 8          # keep-alive client connections, each sends its next request when answered
 WARMUP_REQUESTS = 300    # before counting: caches, pools and the load model settle
 READY_TIMEOUT_S = 600.0  # a gateway under valgrind starts in ~30 s on a 2-core box
@@ -97,6 +99,8 @@ def request_bytes(workload: str, number: int) -> bytes:
     payload = body(workload == "stream")
     if workload == "unique":
         payload["prompt"] = f"Request {number}: {PROMPT}"
+    elif workload == "long":
+        payload["prompt"] = " ".join([PROMPT] * LONG_PROMPT_REPEATS)
     data = json.dumps(payload).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
