@@ -86,10 +86,11 @@ class TokenCache:
         stretches at word starts) and each piece looked up. Cheap (a regex pass and dict lookups);
         what is left to tokenize is `missing_chars` long, for `finish`."""
         splitter = self._splitter
-        if splitter is None or len(text) < 64:
-            keys: list = [(text, False)]
+        split = splitter is not None and len(text) >= 64
+        if not split:
+            keys: list = [text]
         else:
-            keys = []
+            keys = []  # a piece's text, or an added token's ID
             special = self._special_ids
             for index, piece in enumerate(splitter.split(text)):
                 if index & 1:  # the captured added token
@@ -97,30 +98,29 @@ class TokenCache:
                 elif not piece:
                     continue
                 elif not self._chunks or len(piece) <= 2 * CHUNK_CHARS:
-                    keys.append((piece, True))
+                    keys.append(piece)
                 else:
-                    start = 0
-                    for cut in _chunk_cuts(piece):
-                        keys.append((piece[start:cut], True))
-                        start = cut
-                    keys.append((piece[start:], True))
+                    keys += _chunks(piece)
         found: list = []
         misses: list[tuple[str, bool]] = []
         pieces = self._pieces
+        get, touch = pieces.get, pieces.move_to_end
+        hits = 0
         with self._lock:
             for key in keys:
                 if key.__class__ is int:
                     found.append(key)
                     continue
-                cached = pieces.get(key[0])
+                cached = get(key)
                 if cached is None:
                     found.append(None)
-                    misses.append(key)
+                    misses.append((key, split))  # plain text between added tokens, when split
                 else:
-                    pieces.move_to_end(key[0])
-                    self.hits += 1
+                    touch(key)
+                    hits += 1
                     found.append(cached)
-        return Lookup(text, found, misses, splitter is not None and len(text) >= 64)
+            self.hits += hits
+        return Lookup(text, found, misses, split)
 
     def finish(self, lookup: "Lookup", add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """The IDs of a looked-up text: its missing pieces tokenized (and remembered), then all in order.
@@ -142,18 +142,22 @@ class TokenCache:
                 encoded = [words.encode(text) if plain else self.bundle.encode(text, add_special_tokens=False)
                            for text, plain in misses]
             self._remember(misses, encoded)
-        if len(lookup.found) == 1 and encoded:
-            ids = encoded[0]
+        found = lookup.found
+        if len(found) == 1:
+            ids = encoded[0] if encoded else found[0].tolist()
         else:
-            ids = []
+            # The pieces gathered in one int32 array (a cached piece is one copy of its array),
+            # turned into the list once: not a list per piece.
+            gathered = array("i")
             fresh = iter(encoded)
-            for item in lookup.found:
+            for item in found:
                 if item is None:
-                    ids += next(fresh)
+                    gathered.extend(next(fresh))
                 elif item.__class__ is int:
-                    ids.append(item)
+                    gathered.append(item)
                 else:
-                    ids += item.tolist()
+                    gathered.extend(item)
+            ids = gathered.tolist()
         if lookup.split and self._checks_left:
             self._check(lookup.text, ids)
         if add_special_tokens and self.bundle.add_bos:
@@ -180,7 +184,7 @@ class TokenCache:
         return all(self._same(text) for text in texts)
 
     def _probe_chunks(self) -> bool:
-        """Whether the pre-tokenizer starts a word at every place _chunk_cuts may cut, and chunked
+        """Whether the pre-tokenizer starts a word at every place _chunks may cut, and chunked
         encodes equal whole ones, on text with punctuation, digits, contractions, odd spaces and
         non-ASCII letters."""
         tokenizer = self.bundle.tokenizer
@@ -234,21 +238,25 @@ class Lookup:
         self.missing_chars = sum(len(piece) for piece, _ in misses)
 
 
-def _chunk_cuts(text: str):
-    """Where a long stretch is cut: the first word start at least CHUNK_CHARS after the last cut
-    (or the stretch's start), while more than CHUNK_CHARS remain after it."""
+def _chunks(text: str) -> list[str]:
+    """A long stretch cut into its cached chunks: each cut at the first word start at least
+    CHUNK_CHARS after the last cut (or the stretch's start), while more than CHUNK_CHARS remain
+    after it."""
     search = _WORD_START.search
     limit = len(text) - CHUNK_CHARS
-    at = CHUNK_CHARS
+    chunks: list[str] = []
+    start, at = 0, CHUNK_CHARS
     while at < limit:
         match = search(text, at)
         if match is None:
-            return
+            break
         cut = match.start()
         if cut >= limit:
-            return
-        yield cut
-        at = cut + CHUNK_CHARS
+            break
+        chunks.append(text[start:cut])
+        start, at = cut, cut + CHUNK_CHARS
+    chunks.append(text[start:])
+    return chunks
 
 
 def _added_token_splitter(config: dict) -> tuple[re.Pattern | None, dict[str, int]]:
