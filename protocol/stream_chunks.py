@@ -144,11 +144,12 @@ def _strip_compact(payload: bytes, key: bytes) -> bytes:
     pieces: list[bytes] = []
     copied = searched = 0
     find = payload.find
+    both = key == b'token_ids":'  # then `,"prompt_token_ids":` is one of them too
     while (at := find(key, searched)) >= 0:
         searched = at + len(key)
         if payload[at - 2:at] == b',"':
             begin = at - 2
-        elif payload[at - 9:at] == b',"prompt_':
+        elif both and payload[at - 9:at] == b',"prompt_':
             begin = at - 9
         else:
             continue

@@ -266,3 +266,7 @@ def test_a_long_answers_token_ids_are_cut_the_same_way_and_its_prompt_ids_first(
     assert only_prompt["choices"][0]["token_ids"] == [7, 8] and only_prompt["choices"][1]["token_ids"] is None
     short = b'{"choices":[{"prompt_token_ids":[1],"token_ids":[2]}]}'
     assert strip_prompt_token_ids(short) == short  # a short answer is decoded whole
+    # Keys that only end like the IDs' stay, whichever cut runs.
+    vendor = b'{"a":1,"my_token_ids":[1],"prompt_prompt_token_ids":[2],"xprompt_token_ids":[3],"pad":"' \
+             + b"x" * FIND_ABOVE_BYTES + b'"}'
+    assert strip_token_ids(vendor) == vendor and strip_prompt_token_ids(vendor) == vendor
