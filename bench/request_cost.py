@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.stub_backend import StubProcess
 from bench.vs_routers import OUTPUT_TOKENS, POLICIES, PROMPT, body, gateway_config
-from tests.servers import free_port
+from tests.servers import free_port, run_gateway
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("fixed", "unique", "stream", "long")
@@ -126,42 +126,18 @@ async def send(port: int, workload: str, count: int, first_number: int, timeout_
     await asyncio.wait_for(asyncio.gather(*(connection(k) for k in range(CONNECTIONS))), timeout_s)
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    import urllib.request
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
-                if json.loads(answer.read()).get("all_ready"):
-                    return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the gateway was not ready within {timeout_s:g} s")
-
-
 @contextlib.contextmanager
-def counted_gateway(tree: Path, config: Path, port: int, counter: str, directory: Path, log):
-    """The gateway of source tree `tree` on `port`, under the counter; yields (process, files)."""
+def counted_gateway(tree: Path, config: Path, port: int, counter: str, directory: Path):
+    """The gateway of source tree `tree` on `port`, under the counter, once its replicas are ready;
+    yields (process, the opcode counter's flag and output files)."""
     flag, out = directory / "opcodes.on", directory / "opcodes.txt"
     prelude = _OPCODES_PRELUDE.format(flag=str(flag), out=str(out)) if counter == "opcodes" else ""
     argv = [sys.executable, "-c", _LAUNCH.format(tree=str(tree), config=str(config), prelude=prelude)]
     if counter == "instructions":
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={directory / 'callgrind.out'}"] + argv
-    proc = subprocess.Popen(argv, cwd=tree, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(tree)})
-    try:
-        wait_ready(port, proc, READY_TIMEOUT_S)
-        yield proc, (flag, out)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with run_gateway(config, port, argv=argv, startup_timeout_s=READY_TIMEOUT_S,
+                     ready_timeout_s=READY_TIMEOUT_S) as server:
+        yield server.proc, (flag, out)
 
 
 def count_one(tree: Path, policy: str, workload: str, counter: str, requests: int, stub_urls: list[str],
@@ -169,8 +145,7 @@ def count_one(tree: Path, policy: str, workload: str, counter: str, requests: in
     """One gateway, warmed up, then `requests` counted: {"per_request": ..., "calls": ..., "top": [...]}."""
     port = free_port()
     config = gateway_config(directory, policy, stub_urls, port)
-    with open(directory / "gateway.log", "ab") as log, \
-            counted_gateway(tree, config, port, counter, directory, log) as (proc, (flag, out)):
+    with counted_gateway(tree, config, port, counter, directory) as (proc, (flag, out)):
         timeout_s = 30 + requests * (0.5 if counter == "instructions" else 0.2)
         asyncio.run(send(port, workload, WARMUP_REQUESTS, 10_000_000, timeout_s))
         if counter == "instructions":

@@ -130,12 +130,14 @@ def _all_replicas_ready(health_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def run_gateway(config_path: str | Path, port: int, *, ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
-    """`python -m gateway.cli serve --config FILE` on `port`; yields once every replica is ready
-    (its tokenizer fetched: /health says all_ready), not just once the gateway listens."""
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+def run_gateway(config_path: str | Path, port: int, *, ready_timeout_s: float = 60.0,
+                argv: Sequence[str] | None = None, startup_timeout_s: float = 120.0) -> Iterator[ServerProcess]:
+    """`python -m gateway.cli serve --config FILE` (or `argv`, a command that serves that config) on
+    `port`; yields once every replica is ready (its tokenizer fetched: /health says all_ready), not
+    just once the gateway listens."""
+    argv = argv or [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
     health_url = f"http://127.0.0.1:{port}/health"
-    with run_process(argv, health_url, port=port, name="gateway") as gateway:
+    with run_process(argv, health_url, port=port, name="gateway", startup_timeout_s=startup_timeout_s) as gateway:
         deadline = time.monotonic() + ready_timeout_s
         while not _all_replicas_ready(health_url):  # another process: poll, bounded
             if time.monotonic() > deadline:

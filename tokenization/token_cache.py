@@ -102,7 +102,7 @@ class TokenCache:
                 else:
                     keys += _chunks(piece)
         found: list = []
-        misses: list[tuple[str, bool]] = []
+        misses: list[str] = []
         pieces = self._pieces
         get, touch = pieces.get, pieces.move_to_end
         hits = 0
@@ -114,7 +114,7 @@ class TokenCache:
                 cached = get(key)
                 if cached is None:
                     found.append(None)
-                    misses.append((key, split))  # plain text between added tokens, when split
+                    misses.append(key)
                 else:
                     touch(key)
                     hits += 1
@@ -136,15 +136,15 @@ class TokenCache:
         if misses:
             words = self._word_encoder
             if release_gil or words is None:
-                texts = [text for text, _ in misses]
-                encoded = [e.ids for e in self.bundle.tokenizer.encode_batch(texts, add_special_tokens=False)]
+                encoded = [e.ids for e in self.bundle.tokenizer.encode_batch(misses, add_special_tokens=False)]
+            elif lookup.split:  # plain text between added tokens
+                encoded = [words.encode(text) for text in misses]
             else:
-                encoded = [words.encode(text) if plain else self.bundle.encode(text, add_special_tokens=False)
-                           for text, plain in misses]
+                encoded = [self.bundle.encode(misses[0], add_special_tokens=False)]
             self._remember(misses, encoded)
         found = lookup.found
-        if len(found) == 1:
-            ids = encoded[0] if encoded else found[0].tolist()
+        if len(found) == 1 and encoded:
+            ids = encoded[0]
         else:
             # The pieces gathered in one int32 array (a cached piece is one copy of its array),
             # turned into the list once: not a list per piece.
@@ -164,10 +164,10 @@ class TokenCache:
             ids.insert(0, self.bundle.bos_token_id)
         return ids
 
-    def _remember(self, misses: list[tuple[str, bool]], encoded: list[list[int]]) -> None:
+    def _remember(self, misses: list[str], encoded: list[list[int]]) -> None:
         with self._lock:
             pieces = self._pieces
-            for (text, _), ids in zip(misses, encoded):
+            for text, ids in zip(misses, encoded):
                 self.misses += 1
                 if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
                     continue
@@ -227,15 +227,16 @@ class TokenCache:
 
 class Lookup:
     """A text as TokenCache.lookup left it: per piece its cached IDs (an array), an added token's
-    ID, or None (missing: `misses` holds those pieces, with whether they are plain text)."""
+    ID, or None (missing: `misses` holds those pieces' texts; plain text between added tokens
+    when the text was split)."""
     __slots__ = ("text", "found", "misses", "split", "missing_chars")
 
-    def __init__(self, text: str, found: list, misses: list[tuple[str, bool]], split: bool) -> None:
+    def __init__(self, text: str, found: list, misses: list[str], split: bool) -> None:
         self.text = text
         self.found = found
         self.misses = misses
         self.split = split  # cut at added tokens and words (checked against whole encodes while checks are left)
-        self.missing_chars = sum(len(piece) for piece, _ in misses)
+        self.missing_chars = sum(map(len, misses))
 
 
 def _chunks(text: str) -> list[str]:
