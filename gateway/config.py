@@ -276,7 +276,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     if root is None:
         raise ConfigError(f"{source}:1: empty config: expected a mapping with a `replicas` list")
     try:
-        config = msgspec.yaml.decode(text.encode(), type=Config)
+        config = _decode(text, root)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc, root, source) from None
     problems = list(_value_problems(config))
@@ -284,6 +284,33 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         path, why = problems[0]
         raise ConfigError(f"{source}:{_line_of(root, path)}: {_dotted(path)}: {why}")
     return config
+
+
+# YAML 1.1 (what PyYAML reads) takes unquoted on/off/yes/no for booleans, so `token_ids: off` is
+# False; where a boolean is no valid value, the word as written is what the user meant.
+_BOOL_WORDS = {"on", "off", "yes", "no"}
+_MAX_BOOL_WORDS = 100  # words taken back per file (each is a decode): a bound, not a limit users meet
+
+
+def _decode(text: str, root: yaml.Node) -> Config:
+    data = None
+    for _ in range(_MAX_BOOL_WORDS):
+        try:
+            return msgspec.yaml.decode(text.encode(), type=Config) if data is None else msgspec.convert(data, Config)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            at = _AT.search(message)
+            path = _parse_path(at.group(1)) if at else []
+            node, _line, found = _node_at(root, path)
+            if not (path and found and "got `bool`" in message and isinstance(node, yaml.ScalarNode)
+                    and node.tag == "tag:yaml.org,2002:bool" and node.value.lower() in _BOOL_WORDS):
+                raise
+            data = yaml.safe_load(text) if data is None else data
+            parent = data
+            for part in path[:-1]:
+                parent = parent[part]
+            parent[path[-1]] = node.value
+    return msgspec.convert(data, Config)
 
 
 # ---- value checks msgspec cannot express --------------------------------------------------------
@@ -483,6 +510,12 @@ def _unwrap(tp):
 
 def _line_of(root: yaml.Node, path: list) -> int:
     """1-based line of the deepest node along `path` that exists (the key's line for mappings)."""
+    return _node_at(root, path)[1]
+
+
+def _node_at(root: yaml.Node, path: list) -> tuple[yaml.Node, int, bool]:
+    """The deepest node along `path` that exists, its 1-based line (the key's for mappings), and
+    whether it is the whole path's."""
     node, line = root, root.start_mark.line + 1
     for part in path:
         if isinstance(node, yaml.MappingNode) and isinstance(part, str):
@@ -491,10 +524,10 @@ def _line_of(root: yaml.Node, path: list) -> int:
                     line, node = key_node.start_mark.line + 1, value_node
                     break
             else:
-                return line
+                return node, line, False
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1
         else:
-            return line
-    return line
+            return node, line, False
+    return node, line, True

@@ -74,6 +74,17 @@ def test_bad_value_names_key_and_line(old, new, expected):
     assert error_of(GOOD.replace(old, new)).startswith(expected)
 
 
+def test_yaml_boolean_words_are_taken_as_written_where_a_boolean_is_no_valid_value():
+    # YAML 1.1 reads unquoted off/no/on/yes as booleans: `token_ids: off` was refused as a bool.
+    config = parse_config(GOOD.replace("token_ids: full", "token_ids: off").replace("name: b", "name: no"))
+    assert config.logging.token_ids == "off"
+    assert [r.name for r in config.replicas] == ["a", "no"]
+    config = parse_config(GOOD.replace("port: 8000", "port: 8000\n  resume_non_stream: on"))
+    assert config.gateway.resume_non_stream is True  # where a boolean is valid, it stays one
+    assert error_of(GOOD.replace("token_ids: full", "token_ids: false")).startswith(
+        "x.yaml:4: logging.token_ids: expected str, got bool")  # true/false are booleans in any YAML
+
+
 ROUTING = """\
 routing:
   policy: cache_aware
