@@ -300,3 +300,26 @@ def test_a_non_streamed_answer_goes_through_as_the_replicas_bytes_without_the_id
                                     {"content-type": "application/json", "x-request-id": "answer-broken"})
             assert status == 502 and "not an OpenAI response" in reply["error"]["message"], (status, reply)
             assert gateway.record("answer-broken")["status"] == 502
+
+
+def test_a_response_header_with_a_line_break_is_refused_not_written():
+    """A hook (or a header the gateway echoes) must not split the response: a CR or LF in any
+    header's name or value refuses the head; clean headers make one CRLF-separated block."""
+    from types import SimpleNamespace
+
+    from multidict import CIMultiDict
+
+    from gateway.hot_path import HotExchange, _HotRequest
+
+    def head(headers: dict) -> bytes:
+        conn = SimpleNamespace(closing=False)
+        exchange = HotExchange(conn, _HotRequest(CIMultiDict(), "/v1/completions"), "id", True, ())
+        return asyncio.run(exchange._head(200, headers, "Content-Length: 2"))
+
+    text = head({"x-request-id": "abc", "x-one": "1"}).decode()
+    assert text.startswith("HTTP/1.1 200 OK\r\nx-request-id: abc\r\nx-one: 1\r\nContent-Length: 2\r\nDate: ")
+    assert text.endswith("\r\n\r\n") and text.count("\r\n") == 6
+    assert head({}).decode().startswith("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n")
+    for bad in ({"x-a": "1", "x-evil": "v\r\nSet-Cookie: s=1"}, {"x-evil\n": "v"}, {"x-a": "1\r"}):
+        with pytest.raises(ValueError, match="line break"):
+            head(bad)
