@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from kvgate_kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -150,6 +150,22 @@ def up(tmp_path_factory):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path, fault):
+    # The fault lands once the client has 20 of 160 tokens. On a loaded host the client can lag so far
+    # behind that the replica has written all 160 by then: the answer then completes without a try
+    # to resume, which proves nothing about resuming. Such a run is checked and tried again (3 at most).
+    for attempt in range(3):
+        record, frozen = _stream_with_fault(up, path, fault)
+        if "failover" in record:
+            break
+    failover = record["failover"][0]
+    assert failover["replica"] == frozen[0][0] and failover["after_tokens"] >= 20
+    assert failover["resumed_on"] != frozen[0][0] and failover["resume_ms"] > 0
+    assert failover["reason"] == "stalled" if fault == "stop" else failover["reason"].startswith("disconnected")
+
+
+def _stream_with_fault(up, path: str, fault: str) -> tuple[dict, list]:
+    """One streamed request whose replica is killed or stopped after 20 tokens: the client's answer
+    is checked against a reference; returns its record and the (replica, pid) faulted."""
     up.wait_all_healthy()
     n = random.randrange(10**6)
     reference = answer(up.url, path, {**body_for(path, n), "stream": False}, f"ref-{fault}-{n}")
@@ -174,10 +190,7 @@ def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path
     assert got["usage"]["completion_tokens"] == 160 == len(got["ids"])
     record = up.gateway.record(request_id)
     assert record["status"] == 200 and record["output_token_ids"] == reference["ids"]
-    failover = record["failover"][0]
-    assert failover["replica"] == frozen[0][0] and failover["after_tokens"] >= 20
-    assert failover["resumed_on"] != frozen[0][0] and failover["resume_ms"] > 0
-    assert failover["reason"] == "stalled" if fault == "stop" else failover["reason"].startswith("disconnected")
+    return record, frozen
 
 
 def set_resume_non_stream(up: Up, on: bool) -> None:

@@ -1,7 +1,7 @@
 """Paged attention references agree with plain dense causal attention."""
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from kvgate_kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 
 
 def dense_causal(q, k, v, scale):
