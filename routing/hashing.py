@@ -20,6 +20,7 @@ try:
     from routing._block_hash import chain as _native_chain
 except ImportError:  # built without a C compiler: the Python loop below
     _native_chain = None
+NATIVE = True  # False: the Python loop even where the C one was built (tests compare the two)
 
 DEFAULT_BLOCK_SIZE = 16
 ROOT_HASH = 0x6B76_6761_7465_0001  # fixed seed for block 0's parent ("kvgate" + version)
@@ -45,9 +46,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
         return _native_chain(token_ids if type(token_ids) is list else _packed(token_ids), 4 * block_size,
                              parent_hash, salt)
     return python_chain(_packed(token_ids), 4 * block_size, parent_hash, salt)
-
-
-NATIVE = True  # False: the Python loop even where the C one was built (tests compare the two)
 
 
 def python_chain(packed: bytes, block_bytes: int, parent_hash: int, salt: bytes) -> list[int]:

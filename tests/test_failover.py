@@ -153,7 +153,7 @@ def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path
     # The fault lands once the client has 20 of 160 tokens. On a loaded host the client can lag so far
     # behind that the replica has written all 160 by then: the answer then completes without a try
     # to resume, which proves nothing about resuming. Such a run is checked and tried again (3 at most).
-    for attempt in range(3):
+    for _ in range(3):
         record, frozen = _stream_with_fault(up, path, fault)
         if "failover" in record:
             break

@@ -165,14 +165,14 @@ class TokenCache:
         return ids
 
     def _remember(self, misses: list[str], encoded: list[list[int]]) -> None:
+        shared = self._ints
+        size = len(shared)
         with self._lock:
             pieces = self._pieces
             for text, ids in zip(misses, encoded):
                 self.misses += 1
                 if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
                     continue
-                shared = self._ints
-                size = len(shared)
                 stored = pieces[text] = tuple([shared[i] if 0 <= i < size else i for i in ids])
                 self._tokens += len(stored)
                 while self._tokens > self.max_tokens:
