@@ -156,7 +156,11 @@ def count_one(tree: Path, policy: str, workload: str, counter: str, requests: in
                            timeout=60)
             dumps = set(directory.glob("callgrind.out.*")) - before
             total = sum(_callgrind_total(path) for path in dumps)
+            keep = os.environ.get("REQUEST_COST_KEEP")
             for path in directory.glob("callgrind.out*"):
+                if keep and path in dumps:  # for callgrind_annotate: where the instructions went
+                    Path(keep).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(path, Path(keep) / f"{policy}-{workload}-{path.name}")
                 path.unlink()
             return {"per_request": total / requests, "calls": None, "top": []}
         flag.touch()

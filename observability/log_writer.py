@@ -2,9 +2,11 @@
 
 The loop thread (or any thread) encodes a line and hands it over (`write`, a list append under a
 lock, ~0.3 us); one writer thread takes everything pending and writes it in one write() per sink
-(stdout, and the log file when there is one). Under load a batch holds the lines of a few
-milliseconds (the writer lingers LINGER_S after each batch), so a request costs a fraction of a
-syscall instead of two.
+(stdout, and the log file when there is one). While lines keep coming, the writer looks every
+LINGER_S and writes what gathered, so a request costs a fraction of a syscall instead of two, and
+the producer never wakes it (no futex call, no thread switch per line: at 200 requests/s one
+wake-up per handover cost the writer ~140 us of CPU a request, more than it spent writing). After
+IDLE_AFTER_S without a line it sleeps until the next line wakes it, and writes that one at once.
 
 Guarantees: every line handed over is written, in the order handed over (one queue, one
 writer); nothing is dropped when the sinks are slow: past `max_pending_bytes` a producer waits
@@ -19,7 +21,8 @@ import sys
 import threading
 from typing import BinaryIO
 
-LINGER_S = 0.005
+LINGER_S = 0.02
+IDLE_AFTER_S = 1.0
 MAX_PENDING_BYTES = 64 << 20
 
 
@@ -54,6 +57,7 @@ class LogWriter:
                 self._idle = False
                 self._wake.notify()
             while self._pending_bytes > self._max_pending and not self._closing:
+                self._wake.notify()  # write now rather than at the end of the linger
                 self._drained.wait()  # the sinks are behind: wait rather than drop or grow
 
     def write_line_to_file(self, line: bytes) -> None:
@@ -65,7 +69,7 @@ class LogWriter:
         """Wait until every line handed over so far is written; False on timeout."""
         with self._lock:
             target = self._handed
-            if self._idle and self._pending:
+            if self._pending:  # idle or lingering: write now
                 self._idle = False
                 self._wake.notify()
             return self._drained.wait_for(lambda: self._written >= target or not self._thread.is_alive(),
@@ -81,14 +85,19 @@ class LogWriter:
         self._thread.join(10.0)
 
     def _run(self) -> None:
-        wait = threading.Event().wait
+        quiet = 0  # lingers in a row that found nothing
         while True:
             with self._lock:
                 while not self._pending and not self._closing:
-                    self._idle = True
-                    self._wake.wait()
+                    if quiet * LINGER_S >= IDLE_AFTER_S:
+                        self._idle = True  # the next write() wakes us
+                        self._wake.wait()
+                    else:
+                        self._wake.wait(LINGER_S)
+                        quiet += 1
                 batch, self._pending, self._pending_bytes = self._pending, [], 0
                 closing = self._closing
+            quiet = 0
             if batch:
                 self._write_batch(batch)
                 with self._lock:
@@ -99,7 +108,9 @@ class LogWriter:
                     if not self._pending:
                         return
                 continue
-            wait(LINGER_S)  # let the next lines gather: one write per batch, not per line
+            with self._lock:  # let the next lines gather: one write per batch, not per line
+                if not self._closing:
+                    self._wake.wait(LINGER_S)
 
     def _write_batch(self, lines: list) -> None:
         to_file = lines
