@@ -1,9 +1,12 @@
-"""The compiled pieces: routing/_prefix_match.c (the prefix table's lookup, insert and remove) and
-routing/_block_hash.c (chained block hashes, with the vendored xxHash header). Optional: where no C
-compiler is found the install still succeeds and routing uses its Python paths."""
+"""The compiled pieces: routing/_prefix_match.c (the prefix table's lookup, insert and remove),
+routing/_block_hash.c (chained block hashes, with the vendored xxHash header) and
+gateway/_http_head.c (the hot path's plain request heads). Optional: where no C compiler is found
+the install still succeeds and each uses its Python path."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"], optional=True,
                              extra_compile_args=["-O2"]),
                    Extension("routing._block_hash", ["routing/_block_hash.c"], optional=True,
-                             depends=["routing/_vendor/xxhash.h"], extra_compile_args=["-O2"])])
+                             depends=["routing/_vendor/xxhash.h"], extra_compile_args=["-O2"]),
+                   Extension("gateway._http_head", ["gateway/_http_head.c"], optional=True,
+                             extra_compile_args=["-O2"])])

@@ -185,13 +185,15 @@ def _callgrind_total(path: Path) -> int:
 
 
 def worktree(revision: str, directory: Path) -> Path:
-    """A checkout of `revision` with this checkout's compiled prefix matcher (the source it builds
-    from rarely changes; a revision that changed it needs its own build)."""
+    """A checkout of `revision` with this checkout's compiled extensions, each where the revision
+    has its C source (the sources rarely change; a revision that changed one needs its own build)."""
     path = directory / f"tree-{re.sub(r'[^A-Za-z0-9_.-]', '_', revision)}"
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f", str(path), revision],
                    check=True, capture_output=True, text=True)
-    for built in (REPO_ROOT / "routing").glob("_prefix_match*.so"):
-        shutil.copy(built, path / "routing" / built.name)
+    for package in ("routing", "gateway"):
+        for built in (REPO_ROOT / package).glob("_*.so"):
+            if (path / package / (built.name.split(".")[0] + ".c")).exists():
+                shutil.copy(built, path / package / built.name)
     return path
 
 

@@ -50,9 +50,14 @@ from protocol.errors import APIError, RequestTimeout
 from protocol.http import openai_errors
 from protocol.requests import decode_chat, decode_completion
 
+try:  # gateway/_http_head.c: a plain head in one C pass, ~10x cheaper than llhttp's callbacks
+    from gateway._http_head import parse as _plain_head
+except ImportError:  # no C compiler at install: every head goes through llhttp
+    _plain_head = None
+NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two)
+
 _ENDPOINTS = {b"/v1/completions": ("/v1/completions", decode_completion),
               b"/v1/chat/completions": ("/v1/chat/completions", decode_chat)}
-_HANDED_OFF = {"transfer-encoding", "expect", "upgrade"}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -509,23 +514,26 @@ class HotProtocol(asyncio.Protocol):
         aiohttp itself runs on, so nothing it would refuse is taken here."""
         if not buffer.startswith(b"POST /v1/"):
             return None
-        head = _Head()
-        parser = httptools.HttpRequestParser(head)
-        try:
-            parser.feed_data(buffer[:end + 4])
-        except httptools.HttpParserError:
-            return None
-        target = head.url
-        if target not in _ENDPOINTS or not head.complete or parser.get_http_version() != "1.1" \
-                or parser.get_method() != b"POST":
-            return None
+        plain = _plain_head(buffer, end) if _plain_head is not None and NATIVE else None
+        if plain is not None:  # the usual head, read in C the way llhttp reads it
+            target, pairs, longest = plain
+        else:
+            head = _Head()
+            parser = httptools.HttpRequestParser(head)
+            try:
+                parser.feed_data(buffer[:end + 4])
+            except httptools.HttpParserError:
+                return None
+            target, pairs, longest = head.url, head.pairs, head.longest
+            if target not in _ENDPOINTS or not head.complete or parser.get_http_version() != "1.1" \
+                    or parser.get_method() != b"POST" or not head.ascii:
+                return None
         limits = self._guard.limits
-        pairs = head.pairs
-        if len(pairs) > limits.max_headers or head.longest > limits.max_header_bytes or not head.ascii:
+        if len(pairs) > limits.max_headers or longest > limits.max_header_bytes:
             return None
         headers = CIMultiDict(pairs)
-        if any(name in headers for name in _HANDED_OFF):
-            return None
+        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
+            return None  # chunked bodies, 100-continue and upgrades are aiohttp's
         lengths = headers.getall("content-length", ())
         if len(lengths) != 1 or not lengths[0].isdigit():
             return None

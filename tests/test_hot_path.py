@@ -323,3 +323,51 @@ def test_a_response_header_with_a_line_break_is_refused_not_written():
     for bad in ({"x-a": "1", "x-evil": "v\r\nSet-Cookie: s=1"}, {"x-evil\n": "v"}, {"x-a": "1\r"}):
         with pytest.raises(ValueError, match="line break"):
             head(bad)
+
+
+HEADS = [  # (head, whether the C reader takes it: the plain shape; the rest is llhttp's to read)
+    (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n", True),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost:gw\r\ncontent-length: 2\r\nConnection: close\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nX-Odd!#$%&'*+-.^_`|~: a\tb c\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length:\t2\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\n\r\n", True),                                   # no Content-Length
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2x\r\n\r\n", True),                # not a number
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2 \r\n\r\n", False),           # trailing space
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length:  2\r\n\r\n", False),           # two spaces
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length : 2\r\n\r\n", False),           # space before colon
+    (b"POST /v1/completions HTTP/1.1\r\nX-Empty:\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nX-A: 1\r\n folded\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nX-A: 1\nContent-Length: 2\r\n\r\n", False),    # bare LF
+    (b"POST /v1/completions HTTP/1.1\r\nX-A: caf\xc3\xa9\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nX-A: a\x01b\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nX(A): 1\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions?x=1 HTTP/1.1\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/models HTTP/1.1\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST  /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n" + b"X-Long: " + b"v" * 9000 + b"\r\n\r\n", True),
+]
+
+
+@pytest.mark.parametrize("head,plain", HEADS, ids=range(len(HEADS)))
+def test_the_c_head_reader_reads_a_plain_head_as_llhttp_does_and_leaves_the_rest_to_it(head, plain, monkeypatch):
+    from gateway import hot_path
+    if hot_path._plain_head is None:
+        pytest.skip("gateway/_http_head.c was not built (no C compiler at install)")
+
+    class Guard:
+        limits = type("Limits", (), {"max_headers": 100, "max_header_bytes": 8190})
+        max_body_bytes = 1 << 20
+    protocol = hot_path.HotProtocol.__new__(hot_path.HotProtocol)
+    protocol._guard = Guard
+    buffer, end = head + b"{}", head.find(b"\r\n\r\n")
+    assert (hot_path._plain_head(buffer, end) is not None) == plain
+
+    def parsed():
+        result = protocol._parse_head(buffer, end)
+        return None if result is None else (result[0], list(result[1].items()), *result[2:])
+    native = parsed()
+    monkeypatch.setattr(hot_path, "NATIVE", False)
+    assert native == parsed()
