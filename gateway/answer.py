@@ -119,60 +119,67 @@ class Answer:
         record = self.record
         spec = self.spec
         chat, stream, resumed = spec.chat, spec.stream, self._detok is not None
-        for index, chunk in enumerate(chunks):
-            rebuild = False  # the event holds something the client must not get as is
-            if chunk.error is not None or chunk.kv_transfer_stats is not None:
-                if chunk.error is not None:
-                    error = chunk.error
-                    record.error = error.get("message") if isinstance(error, dict) else str(error)
-                    raise InBandError(record.error)
-                # a decode leg's KV transfer stats: for the record, not the client's
-                self.kv_stats = chunk.kv_transfer_stats if isinstance(chunk.kv_transfer_stats, dict) else None
-                rebuild = True
-            if self.base is None and chunk.id is not None:
-                self.base = {"id": chunk.id, "object": chunk.object, "created": chunk.created, "model": chunk.model}
-            choices = chunk.choices
-            usage = chunk.usage
-            if usage is not None:
-                _take_usage(record, usage, keep_counts=resumed)
-            if self.prompt_token_ids is None:
-                ids = chunk.prompt_token_ids or (choices[0].prompt_token_ids if choices else None)
-                if ids:
-                    self.prompt_token_ids = _take_prompt_ids(record, ids)
-            if not choices:
-                if usage is not None and not resumed and stream and spec.wants_usage:
-                    out.append(self._relayed(events[index], rebuild, drop_usage=False))
-                continue
-            choice = choices[0]
-            token_ids = choice.token_ids
-            if resumed:
-                self._on_resumed_tokens(token_ids or (), choice, now, out)
-                continue
-            if token_ids:
-                record.tokens_arrived(token_ids, now)
-            if chat:
-                delta = choice.delta
-                text = (delta.content or "") if delta is not None else ""
-                if delta is not None and delta.role is not UNSET:
-                    if self.opening_sent:
-                        continue  # a retried try's role chunk: the client has one already
-                    self.opening_sent = True
-            else:
-                text = choice.text or ""
-            if text:
-                if self._echo_left:
-                    echoed = min(self._echo_left, len(text))
-                    self._echo_left -= echoed
-                    text = text[echoed:]
-                self.texts.append(text)
-                self.emitted_chars += len(text)
-            if choice.finish_reason:
-                self.finish_reason = record.finish_reason = choice.finish_reason
-                self.stop_reason = choice.stop_reason
-            if not stream:
-                continue
-            drop_usage = usage is not None and not spec.wants_usage
-            out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage else events[index])
+        arrived: list[int] = []  # the read's token IDs in order (one record update for the read)
+        arriving = 0              # how many events brought them
+        try:
+            for index, chunk in enumerate(chunks):
+                rebuild = False  # the event holds something the client must not get as is
+                if chunk.error is not None or chunk.kv_transfer_stats is not None:
+                    if chunk.error is not None:
+                        error = chunk.error
+                        record.error = error.get("message") if isinstance(error, dict) else str(error)
+                        raise InBandError(record.error)
+                    # a decode leg's KV transfer stats: for the record, not the client's
+                    self.kv_stats = chunk.kv_transfer_stats if isinstance(chunk.kv_transfer_stats, dict) else None
+                    rebuild = True
+                if self.base is None and chunk.id is not None:
+                    self.base = {"id": chunk.id, "object": chunk.object, "created": chunk.created, "model": chunk.model}
+                choices = chunk.choices
+                usage = chunk.usage
+                if usage is not None:
+                    _take_usage(record, usage, keep_counts=resumed)
+                if self.prompt_token_ids is None:
+                    ids = chunk.prompt_token_ids or (choices[0].prompt_token_ids if choices else None)
+                    if ids:
+                        self.prompt_token_ids = _take_prompt_ids(record, ids)
+                if not choices:
+                    if usage is not None and not resumed and stream and spec.wants_usage:
+                        out.append(self._relayed(events[index], rebuild, drop_usage=False))
+                    continue
+                choice = choices[0]
+                token_ids = choice.token_ids
+                if resumed:
+                    self._on_resumed_tokens(token_ids or (), choice, now, out)
+                    continue
+                if token_ids:
+                    arrived += token_ids
+                    arriving += 1
+                if chat:
+                    delta = choice.delta
+                    text = (delta.content or "") if delta is not None else ""
+                    if delta is not None and delta.role is not UNSET:
+                        if self.opening_sent:
+                            continue  # a retried try's role chunk: the client has one already
+                        self.opening_sent = True
+                else:
+                    text = choice.text or ""
+                if text:
+                    if self._echo_left:
+                        echoed = min(self._echo_left, len(text))
+                        self._echo_left -= echoed
+                        text = text[echoed:]
+                    self.texts.append(text)
+                    self.emitted_chars += len(text)
+                if choice.finish_reason:
+                    self.finish_reason = record.finish_reason = choice.finish_reason
+                    self.stop_reason = choice.stop_reason
+                if not stream:
+                    continue
+                drop_usage = usage is not None and not spec.wants_usage
+                out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage else events[index])
+        finally:  # what came before an error too: a resumed try continues after it
+            if arrived:
+                record.tokens_arrived(arrived, now, arriving)
 
     @staticmethod
     def _relayed(event_bytes: bytes, rebuild: bool, drop_usage: bool) -> bytes:

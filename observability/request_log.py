@@ -56,16 +56,22 @@ class RequestRecord:
         self.tenant: str | None = None           # whose prefix cache it used
         self._emitted = False
 
-    def tokens_arrived(self, ids: list[int], now_s: float) -> None:
-        """A streamed event carried `ids`: extend the output and time the gap since the last one."""
+    def tokens_arrived(self, ids: list[int], now_s: float, events: int = 1) -> None:
+        """`events` streamed events of one read (at `now_s`) carried `ids` between them: extend
+        the output and time the gaps, the first since the last token, the others 0 (they came
+        together)."""
         if not ids:
             return
         if self.first_token_s is None:
             self.first_token_s = now_s
+            events -= 1
         elif self.last_token_s is not None:
             self.itl_s.append(now_s - self.last_token_s)
+            events -= 1
+        if events > 0:
+            self.itl_s += [0.0] * events
         self.last_token_s = now_s
-        self.output_token_ids.extend(ids)
+        self.output_token_ids += ids
 
     def add_failover(self, replica: str, after_tokens: int, reason: str) -> None:
         """A try on `replica` failed after `after_tokens` output tokens; the next try continues."""

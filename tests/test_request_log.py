@@ -40,3 +40,15 @@ def test_off_logs_no_ids():
     line = emitted("off")
     assert "prompt_token_ids" not in line and "output_token_ids" not in line
     assert line["status"] == 200
+
+
+def test_tokens_of_one_read_time_as_the_events_that_brought_them_one_by_one():
+    together, apart = RequestRecord("a", "/v1/completions", 0.0), RequestRecord("b", "/v1/completions", 0.0)
+    reads = [([5], 1.0, 1), ([6, 7, 8], 1.5, 3), ([9, 10], 2.5, 2)]  # (ids, when, events that carried them)
+    for ids, now, events in reads:
+        together.tokens_arrived(ids, now, events)
+        for n in range(events):  # the same read, event by event (one ID each, the last gets the rest)
+            apart.tokens_arrived(ids[n:n + 1] if n < events - 1 else ids[n:], now)
+    assert together.output_token_ids == apart.output_token_ids == [5, 6, 7, 8, 9, 10]
+    assert together.itl_s == apart.itl_s == [0.5, 0.0, 0.0, 1.0, 0.0]
+    assert together.ttft_s == apart.ttft_s == 1.0
