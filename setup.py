@@ -1,7 +1,8 @@
 """The compiled pieces: routing/_prefix_match.c (the prefix table's lookup, insert and remove),
-routing/_block_hash.c (chained block hashes, with the vendored xxHash header) and
-gateway/_http_head.c (the hot path's plain request heads). Optional: where no C compiler is found
-the install still succeeds and each uses its Python path."""
+routing/_block_hash.c (chained block hashes, with the vendored xxHash header),
+gateway/_http_head.c (the hot path's plain request heads) and protocol/_strip_ids.c (token IDs cut
+out of relayed answers). Optional: where no C compiler is found the install still succeeds and
+each uses its Python path."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"], optional=True,
@@ -9,4 +10,6 @@ setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"
                    Extension("routing._block_hash", ["routing/_block_hash.c"], optional=True,
                              depends=["routing/_vendor/xxhash.h"], extra_compile_args=["-O2"]),
                    Extension("gateway._http_head", ["gateway/_http_head.c"], optional=True,
+                             extra_compile_args=["-O2"]),
+                   Extension("protocol._strip_ids", ["protocol/_strip_ids.c"], optional=True,
                              extra_compile_args=["-O2"])])

@@ -9,9 +9,9 @@ not know are skipped by the decoder and stay in the payload bytes the client get
 `strip_token_ids` removes `token_ids` / `prompt_token_ids` from a payload without decoding it:
 outside JSON strings a quote preceded by `,` or `{` only ever opens a key (inside a string every
 quote is escaped), so the patterns below match keys, never text. Replicas write compact JSON
-with the IDs after other members (vLLM, kvgate's), which a pattern with a literal start cuts out
-(a long payload: a scan for the literal key, _strip_compact, no regex); the general pattern runs
-only on what that left behind."""
+with the IDs after other members (vLLM, kvgate's), which a scan for the literal key cuts out
+(protocol/_strip_ids.c; without a C compiler at install, a pattern with a literal start, or
+_strip_compact on a long payload); the general pattern runs only on what that left behind."""
 from __future__ import annotations
 
 import re
@@ -112,7 +112,13 @@ def decode_events(events: list[bytes]) -> tuple[list[bytes], list[Chunk]]:
     return kept, chunks
 
 
-# Below this many bytes the compact pattern (one regex call) cuts faster; above it, bytes.find
+try:  # protocol/_strip_ids.c: the compact members cut in C, at any size
+    from protocol._strip_ids import strip as _native_strip
+except ImportError:  # no C compiler at install: the regex, or a scan with bytes.find past FIND_ABOVE_BYTES
+    _native_strip = None
+NATIVE = True  # False: the Python cuts even where the C one was built (tests compare the two)
+
+# Without the C cut: below this many bytes the compact pattern (one regex call) cuts faster; above it, bytes.find
 # (a regex scan of a long prompt's IDs costs ~20 us per 1,000 of them).
 FIND_ABOVE_BYTES = 4096
 
@@ -120,7 +126,9 @@ FIND_ABOVE_BYTES = 4096
 def strip_token_ids(payload: bytes) -> bytes:
     if b'token_ids"' not in payload:
         return payload
-    if len(payload) < FIND_ABOVE_BYTES:
+    if _native_strip is not None and NATIVE:  # _COMPACT_TOKEN_IDS's cut, by a scan for the key
+        payload = _native_strip(payload, True)
+    elif len(payload) < FIND_ABOVE_BYTES:
         payload = _COMPACT_TOKEN_IDS.sub(b"", payload)
     else:
         payload = _strip_compact(payload, b'token_ids":')
@@ -133,6 +141,8 @@ def strip_prompt_token_ids(payload: bytes) -> bytes:
     decode costs less than the cut)."""
     if len(payload) < FIND_ABOVE_BYTES or b'prompt_token_ids"' not in payload:
         return payload
+    if _native_strip is not None and NATIVE:
+        return _native_strip(payload, False)
     return _strip_compact(payload, b'prompt_token_ids":')
 
 

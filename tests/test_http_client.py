@@ -229,7 +229,16 @@ def test_events_decode_in_one_batch_or_one_by_one_and_odd_ones_are_named():
         decode_events([b"data: not json"])
 
 
-def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_text():
+@pytest.fixture(params=["C", "Python"])
+def cut(request, monkeypatch):
+    """Each test of the token-ID cut runs with protocol/_strip_ids.c and with the Python cuts."""
+    from protocol import stream_chunks
+    if request.param == "C" and stream_chunks._native_strip is None:
+        pytest.skip("protocol/_strip_ids.c was not built (no C compiler at install)")
+    monkeypatch.setattr(stream_chunks, "NATIVE", request.param == "C")
+
+
+def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_text(cut):
     payload = (b'{"prompt_token_ids": [1, 2],"choices":[{"token_ids":[3],"text":"say \\"token_ids\\":[9]"},'
                b'{"text":"x", "token_ids": null},{"token_ids":[4]}]}')
     stripped = strip_token_ids(payload)
@@ -240,7 +249,7 @@ def test_token_ids_are_cut_from_the_bytes_wherever_the_key_sits_and_never_from_t
     assert strip_token_ids(compact) == b'{"choices":[{"index":0,"text":"a,\\"token_ids\\":[1]","finish_reason":null}]}'
 
 
-def test_a_long_answers_token_ids_are_cut_the_same_way_and_its_prompt_ids_first():
+def test_a_long_answers_token_ids_are_cut_the_same_way_and_its_prompt_ids_first(cut):
     """Past FIND_ABOVE_BYTES the compact members are cut by a scan for the key, not the regex: the
     same bytes come out, text that spells a key stays, and a list holding anything but IDs is left
     to the general pattern. strip_prompt_token_ids cuts only the prompt's (long answers only)."""
@@ -270,3 +279,22 @@ def test_a_long_answers_token_ids_are_cut_the_same_way_and_its_prompt_ids_first(
     vendor = b'{"a":1,"my_token_ids":[1],"prompt_prompt_token_ids":[2],"xprompt_token_ids":[3],"pad":"' \
              + b"x" * FIND_ABOVE_BYTES + b'"}'
     assert strip_token_ids(vendor) == vendor and strip_prompt_token_ids(vendor) == vendor
+
+
+def test_the_c_cut_removes_exactly_what_the_compact_pattern_does():
+    """protocol/_strip_ids.c against the regex it replaces, on payloads made of the pieces that
+    trip a key scan (keys with and without their comma, lists that are not IDs, escaped quotes)."""
+    import random
+    import re
+
+    from protocol import stream_chunks
+    if stream_chunks._native_strip is None:
+        pytest.skip("protocol/_strip_ids.c was not built (no C compiler at install)")
+    prompt_only = re.compile(rb',"prompt_token_ids":(?:\[[\d,]*\]|null)')
+    pieces = [b',"token_ids":', b',"prompt_token_ids":', b'"token_ids":', b'token_ids":', b',"', b'prompt_', b"[",
+              b"]", b"1", b"23", b",", b"null", b"nul", b"{", b"}", b'"', b" ", b"x", b'\\"']
+    rng = random.Random(7)
+    for _ in range(20000):
+        payload = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        assert stream_chunks._native_strip(payload, True) == stream_chunks._COMPACT_TOKEN_IDS.sub(b"", payload)
+        assert stream_chunks._native_strip(payload, False) == prompt_only.sub(b"", payload)
