@@ -85,12 +85,13 @@ def decode_events(events: list[bytes]) -> tuple[list[bytes], list[Chunk]]:
     if not events:
         return [], []
     joined = b"\n\n".join(events)
-    if joined.startswith(b"data: ") and joined.count(b"\n") == 2 * len(events) - 2 \
-            and joined.count(b"\n\ndata: ") == len(events) - 1:
-        try:
-            return events, _batch_decoder.decode(b"[" + joined[6:].replace(b"\n\ndata: ", b",") + b"]")
-        except msgspec.DecodeError:
-            pass  # one of them is odd: find which, one at a time
+    if joined.startswith(b"data: "):
+        array = joined[6:].replace(b"\n\ndata: ", b",")
+        if b"\n" not in array:  # every line break was a `data: ` event's start: one line each
+            try:
+                return events, _batch_decoder.decode(b"[" + array + b"]")
+            except msgspec.DecodeError:
+                pass  # one of them is odd: find which, one at a time
     kept, chunks = [], []
     for raw in events:
         lines = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]

@@ -223,6 +223,10 @@ def test_events_decode_in_one_batch_or_one_by_one_and_odd_ones_are_named():
     odd = [b": keep-alive", b"data: {\"id\": \"c\",\ndata: \"choices\": [{\"index\": 0, \"text\": \"x\"}]}", b"data: 5"]
     kept, chunks = decode_events(odd)
     assert len(chunks) == 1 and chunks[0].choices[0].text == "x" and kept[0].count(b"data: ") == 2
+    # A later event without the space after `data:`, or with a second line: one at a time too.
+    for second in (b"data:" + events[1][6:], events[1] + b"\ndata: "):
+        kept, chunks = decode_events([events[0], second])
+        assert [c.choices[0].token_ids for c in chunks] == [[1], [2]] and kept[1].startswith(events[1])
     with pytest.raises(MalformedEvent):
         decode_events([b"data: {\"choices\": 7}"])
     with pytest.raises(MalformedEvent):
