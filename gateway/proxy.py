@@ -36,7 +36,7 @@ from gateway.router import RoutedAttempt, Router
 from gateway.pd import PDState, PrefillDecode, is_pd_error
 from gateway.upstream import ReplicaPool, ReplicaState
 from observability.metrics import GatewayMetrics
-from observability.request_log import RequestLog, RequestRecord
+from observability.request_log import RequestLog, RequestRecord, ms
 from protocol.errors import (APIError, BadRequest, InternalError, ModelNotFound, Overloaded, Unavailable,
                              UpstreamError, error_body, from_decode_error, normalize_upstream_error)
 from protocol.requests import (UNHONOURED_NAMES, AnyRequest, ChatCompletionRequest, check_honoured, decode_chat,
@@ -299,7 +299,7 @@ class Proxy:
                     self.pool.report(replica, ok=True)
                     if failed:
                         resume_s = (attempt.first_token_s or time.perf_counter()) - failed_at
-                        record.failover[-1].update(resumed_on=replica.name, resume_ms=round(resume_s * 1000, 3))
+                        record.failover[-1].update(resumed_on=replica.name, resume_ms=ms(resume_s))
                         self.metrics.resume_latency.observe(resume_s)
                     return await answer.finish()
                 except TryFailed as failure:

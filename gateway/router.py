@@ -22,6 +22,7 @@ import structlog
 
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
+from observability.request_log import ms
 from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 from routing.load import LoadModel, LoadTracker
@@ -379,7 +380,7 @@ def _estimates_log(state: RoutingState, candidates: list[str], decision: Decisio
         load = tracker.replicas[name]  # loads_and_delays made it if it was missing
         out[name] = {"waiting": load.waiting, "pending_prefill_tokens": load.pending_prefill_tokens,
                      "decoding": load.decoding, "in_flight": int(in_flight),
-                     "queue_delay_ms": round(delay_s * 1000, 3), "scraped_fresh": now - load.scraped.at_s <= stale_after_s}
+                     "queue_delay_ms": ms(delay_s), "scraped_fresh": now - load.scraped.at_s <= stale_after_s}
     return out
 
 

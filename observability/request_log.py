@@ -16,6 +16,12 @@ from observability.logs import json_sink
 TokenIdPolicy = Literal["full", "hashed", "off"]
 
 
+def ms(seconds: float) -> float:
+    """Seconds as milliseconds to the microsecond, for a log line: what round(seconds * 1000, 3)
+    gives, at half its cost (a record carries several; round with digits formats and parses)."""
+    return round(seconds * 1e6) / 1000
+
+
 def hashed_ids(ids: list[int]) -> str:
     """A short, stable fingerprint of a token-ID list: 16 hex digits of xxh3_64 plus the length."""
     return f"{xxhash.xxh3_64_hexdigest(array('q', ids).tobytes())}:{len(ids)}"
@@ -100,11 +106,11 @@ class RequestRecord:
             "endpoint": self.endpoint, "stream": self.stream, "status": self.status,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "routed_ms": None if routed is None else round((routed - started) * 1000.0, 3),
-            "ttft_ms": None if first is None else round((first - started) * 1000.0, 3),
-            "e2e_ms": round((end - started) * 1000.0, 3),
-            "itl_mean_ms": round(sum(itl) / len(itl) * 1000.0, 3) if itl else None,
-            "itl_max_ms": round(max(itl) * 1000.0, 3) if itl else None,
+            "routed_ms": None if routed is None else ms(routed - started),
+            "ttft_ms": None if first is None else ms(first - started),
+            "e2e_ms": ms(end - started),
+            "itl_mean_ms": ms(sum(itl) / len(itl)) if itl else None,
+            "itl_max_ms": ms(max(itl)) if itl else None,
             "finish_reason": self.finish_reason, "routing": self.routing,
         }
         if self.key is not None:
