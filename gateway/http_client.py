@@ -28,6 +28,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
+try:  # gateway/_http_head.c: a whole plain answer in one read, read in one C pass
+    from gateway._http_head import parse_response as _plain_response
+except ImportError:  # no C compiler at install: llhttp reads every answer
+    _plain_response = None
+NATIVE = True  # False: llhttp for every answer even where the C reader was built (tests compare the two)
+
 # Body bytes buffered for a reader that does not keep up (a slow client downstream): past the
 # high mark the socket stops being read, so a replica's stream backs up to the replica.
 _HIGH_WATER = 1 << 20
@@ -293,6 +299,15 @@ class _Connection(asyncio.Protocol):
         if self._state == _DONE:  # bytes nobody asked for: the connection is not reusable
             self._keep_alive = False
             return
+        if self._state == _HEAD and _plain_response is not None and NATIVE:
+            plain = _plain_response(data)  # the usual non-streamed answer: head and body in this read
+            if plain is not None:  # read as llhttp reads it (llhttp's state stays at a message's start)
+                self.status, self.headers, body = plain
+                if body:
+                    self._body.append(body)
+                self._state = _DONE
+                self._wake()
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:

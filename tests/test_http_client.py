@@ -302,3 +302,50 @@ def test_the_c_cut_removes_exactly_what_the_compact_pattern_does():
         payload = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
         assert stream_chunks._native_strip(payload, True) == stream_chunks._COMPACT_TOKEN_IDS.sub(b"", payload)
         assert stream_chunks._native_strip(payload, False) == prompt_only.sub(b"", payload)
+
+
+ANSWERS = [  # (one read from a replica, whether the C reader takes it whole; the rest is llhttp's)
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: 2\r\n"
+     b"Date: Thu, 03 Dec 2026 18:00:00 GMT\r\nServer: Python/3.11 aiohttp/3.13.2\r\n\r\n{}", True),
+    (b"HTTP/1.1 200 OK\r\ndate: x\r\nserver: uvicorn\r\ncontent-length: 11\r\ncontent-type: application/json\r\n"
+     b"\r\n{\"a\": \"b\"}\n", True),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nX-A: 1\r\nx-a: 2\r\n\r\n", True),  # the last value wins
+    (b"HTTP/1.1 503 \r\nContent-Length: 1\r\nRetry-After: 3\r\n\r\nx", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n{}", False),                # the rest comes later
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n{}", False),                # more than the answer
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2x\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length:  2\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\nX-A: caf\xc3\xa9\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n", False),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\n\r\n{}", False),                                     # up to the close
+    (CHUNKED[0] + CHUNKED[1] + CHUNKED[2], False),
+]
+
+
+@pytest.mark.parametrize("data,plain", ANSWERS, ids=range(len(ANSWERS)))
+def test_the_c_answer_reader_reads_a_whole_plain_answer_as_llhttp_does(data, plain, monkeypatch):
+    from gateway import http_client
+    if http_client._plain_response is None:
+        pytest.skip("gateway/_http_head.c was not built (no C compiler at install)")
+    assert (http_client._plain_response(data) is not None) == plain
+
+    class Transport:
+        def write(self, data): pass
+        def close(self): pass
+        def is_closing(self): return False
+        def pause_reading(self): pass
+
+    def read() -> tuple:
+        conn = http_client._Connection(asyncio.new_event_loop(), ("h", 1))
+        conn.loop.close()
+        conn.transport = Transport()
+        conn.send(b"POST / HTTP/1.1\r\n\r\n", b"")
+        conn.data_received(data)
+        return (conn.status, conn.headers, b"".join(conn._body), conn._state, conn.error is None, conn.reusable())
+    native = read()
+    monkeypatch.setattr(http_client, "NATIVE", False)
+    assert native == read()
