@@ -37,6 +37,10 @@ class HealthPolicy:
     flap_window_s: float = 60.0
 
 
+# Bumped whenever any replica's health state changes (ReplicaPool.candidates is cached on it).
+CHANGES = [0]
+
+
 class ReplicaHealth:
     __slots__ = ("policy", "state", "reason", "since_s", "ejected_until_s", "ejections", "_eject_s",
                  "_returned_s", "_probe_ok", "_probe_fail", "_req_fail", "_outcomes", "_drained_from")
@@ -65,6 +69,7 @@ class ReplicaHealth:
         if state == self.state:
             return None
         old, self.state, self.since_s, self.reason = self.state, state, now_s, reason
+        CHANGES[0] += 1
         return old
 
     # ---- active probes ----------------------------------------------------------------------

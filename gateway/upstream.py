@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from gateway.config import Config, HealthSection, ReplicaSpec
-from gateway.health import STATES, HealthPolicy, ReplicaHealth
+from gateway.health import CHANGES, STATES, HealthPolicy, ReplicaHealth
 from gateway.http_client import Origin, UpstreamClient
 from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
@@ -44,13 +44,32 @@ class ReplicaState:
         self.base_url = spec.url.rstrip("/")
         self.origin = Origin(self.base_url)   # where the proxy's client connects
         self.health = ReplicaHealth(policy, time.monotonic())
-        self.models: list[str] = []
+        self._models: list[str] = []
         self.max_model_len: int | None = None
         self.default_max_tokens: int | None = None  # the replica's own default (its generation config)
-        self.tokenizer: TokenizerBundle | None = None
+        self._tokenizer: TokenizerBundle | None = None
         self.last_error: str | None = None
         self.last_progress_s = 0.0    # loop time of the last byte any stream got from it
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
+
+    # What ReplicaPool.candidates depends on, besides health: each change is counted (CHANGES).
+    @property
+    def models(self) -> list[str]:
+        return self._models
+
+    @models.setter
+    def models(self, models: list[str]) -> None:
+        self._models = models
+        CHANGES[0] += 1
+
+    @property
+    def tokenizer(self) -> TokenizerBundle | None:
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, bundle: TokenizerBundle | None) -> None:
+        self._tokenizer = bundle
+        CHANGES[0] += 1
 
     @property
     def healthy(self) -> bool:
@@ -76,6 +95,9 @@ class ReplicaPool:
         self.policy = health_policy(config.health)
         self.replicas = [ReplicaState(spec, self.policy) for spec in config.replicas]
         self.by_name = {replica.name: replica for replica in self.replicas}
+        self._candidates: dict[str, tuple[ReplicaState, ...]] = {}  # see candidates()
+        self._candidates_seen = -1
+        self._candidates_of: list[ReplicaState] | None = None
         self.session: aiohttp.ClientSession | None = None
         self.client: UpstreamClient | None = None   # the proxied requests' pool
         self.all_ready = asyncio.Event()
@@ -149,9 +171,17 @@ class ReplicaPool:
             self.all_ready.clear()
         return added, removed
 
-    def candidates(self, model: str) -> list[ReplicaState]:
-        """Ready replicas serving `model`, in config order (policies rely on a stable order)."""
-        return [replica for replica in self.replicas if replica.ready and replica.serves(model)]
+    def candidates(self, model: str) -> tuple[ReplicaState, ...]:
+        """Ready replicas serving `model`, in config order (policies rely on a stable order). Kept
+        per model until a replica's health, tokenizer or models change or the replica list is
+        replaced (a request asks twice, and each ask was ~4 property calls a replica)."""
+        if self._candidates_seen != CHANGES[0] or self._candidates_of is not self.replicas:
+            self._candidates.clear()
+            self._candidates_seen, self._candidates_of = CHANGES[0], self.replicas
+        found = self._candidates.get(model)
+        if found is None:
+            found = self._candidates[model] = tuple(r for r in self.replicas if r.ready and r.serves(model))
+        return found
 
     def known_models(self) -> list[str]:
         names: dict[str, None] = {}
