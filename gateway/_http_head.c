@@ -21,12 +21,12 @@
    A replica's answer when `data` (one read) is all of it and nothing more: "HTTP/1.1 NNN reason",
    header lines as above, one Content-Length of digits and exactly that many body bytes after the
    head; status 200-599 but 204 and 304; no Transfer-Encoding and no Connection header (llhttp
-   decides keep-alive then). Names come back lower-cased, the last value of a repeated name wins
-   (as the llhttp callbacks store them). Anything else gives None: llhttp reads it. */
+   decides keep-alive then), and no repeated Content-Length. Names come back lower-cased, the last
+   value of a repeated name wins (as the llhttp callbacks store them). Anything else gives None:
+   llhttp reads it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
-#include <strings.h>
 
 static unsigned char TCHAR[256];
 
@@ -73,6 +73,9 @@ static int read_lines(const unsigned char **at, const unsigned char *stop, PyObj
             if (name_len > (Py_ssize_t)sizeof(lower)) return 0;
             for (Py_ssize_t i = 0; i < name_len; i++)
                 lower[i] = (char)((name[i] >= 'A' && name[i] <= 'Z') ? name[i] + 32 : name[i]);
+            if (name_len == 14 && memcmp(lower, "content-length", 14) == 0 &&
+                PyDict_GetItemString(dict, "content-length") != NULL)
+                return 0;  /* a repeated Content-Length: llhttp refuses it */
             PyObject *key = PyUnicode_FromStringAndSize(lower, name_len);
             if (key == NULL) return -1;
             PyObject *text = PyUnicode_FromStringAndSize((const char *)value, value_len);
@@ -149,10 +152,7 @@ static PyObject *parse_response(PyObject *self, PyObject *data) {
     if (status == 204 || status == 304) Py_RETURN_NONE;
     p += 4;
     while (p < end && value_byte(*p)) p++;  /* the reason phrase */
-    if (p != end && !(p[0] == '\r' && p[1] == '\n')) Py_RETURN_NONE;
-    if (p == end) {  /* no header lines at all: no Content-Length */
-        Py_RETURN_NONE;
-    }
+    if (p == end || p[0] != '\r' || p[1] != '\n') Py_RETURN_NONE;  /* p == end: no header lines at all */
     p += 2;
     const unsigned char *stop = end + 2;
     PyObject *headers = PyDict_New();
@@ -180,13 +180,6 @@ static PyObject *parse_response(PyObject *self, PyObject *data) {
         if (length_chars[i] < '0' || length_chars[i] > '9') goto fallback;
         length = length * 10 + (length_chars[i] - '0');
     }
-    /* One Content-Length line only: a repeated one (which llhttp refuses) left its last value. */
-    Py_ssize_t lines = 0;
-    for (const unsigned char *q = memmem(buf, (size_t)(stop - buf), "\r\n", 2); q != NULL && q + 2 < stop;
-         q = memmem(q + 2, (size_t)(stop - q - 2), "\r\n", 2)) {
-        if (stop - (q + 2) >= 15 && strncasecmp((const char *)q + 2, "content-length:", 15) == 0) lines++;
-    }
-    if (lines != 1) goto fallback;
     Py_ssize_t body_at = (end + 4) - buf;
     if (size - body_at != length) goto fallback;
     PyObject *body = PyBytes_FromStringAndSize((const char *)buf + body_at, length);

@@ -176,7 +176,8 @@ class Answer:
                 if not stream:
                     continue
                 drop_usage = usage is not None and not spec.wants_usage
-                out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage else events[index])
+                out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage
+                           else events[index])
         finally:  # what came before an error too: a resumed try continues after it
             if arrived:
                 record.tokens_arrived(arrived, now, arriving)
