@@ -122,6 +122,7 @@ class Proxy:
         self.pd = PrefillDecode(pool, router, metrics)
         for role in ("prefill", "decode", "mixed"):  # queue depth per pool, read when /metrics is scraped
             metrics.pool_in_flight.labels(pool=role).set_function(lambda role=role: self._pool_in_flight(role))
+        metrics.in_flight.source = self._replica_in_flight
         self.active = 0            # requests being handled (drain waits for 0)
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
@@ -383,6 +384,10 @@ class Proxy:
             finally:
                 self._queued -= 1
                 self.metrics.queued.set(self._queued)
+
+    def _replica_in_flight(self) -> list[tuple[str, int]]:
+        tracker = self.router.state.tracker
+        return [(r.name, tracker.own_in_flight(r.name)) for r in self.pool.replicas]
 
     def _pool_in_flight(self, role: str) -> int:
         tracker = self.router.state.tracker

@@ -321,9 +321,8 @@ class RoutedAttempt:
         self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
         if estimates is not None:
             self.log["load_estimate"] = estimates
-        metrics = router.metrics
-        metrics.add(metrics.in_flight, self.replica)
         if decision.predicted_cached_tokens:
+            metrics = router.metrics
             metrics.add(metrics.predicted_cached_tokens, self.replica, decision.predicted_cached_tokens)
 
     @property
@@ -351,9 +350,8 @@ class RoutedAttempt:
         router, replica = self.router, self.replica
         if self.routed.done:
             return
-        metrics = router.metrics
-        metrics.add(metrics.in_flight, replica, -1)
         if self.cached_tokens is not None:
+            metrics = router.metrics
             metrics.add(metrics.reported_cached_tokens, replica, self.cached_tokens)
             uncached = self.routed.prompt_tokens - self.cached_tokens
             if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:

@@ -3,11 +3,12 @@
 Per request the gateway touches a handful of labelled series; `labels()` validates and looks up
 its arguments each time (~2.5 us), so the hot ones are looked up once per label set and kept
 (`replica_counter`). A finished request's figures (count by replica and
-status, TTFT, inter-token gaps, latency, tokens) and each try's per-replica amounts (`add`: in
-flight, cached tokens predicted and reported) are added to plain Python totals under one lock,
+status, TTFT, inter-token gaps, latency, tokens) and each try's per-replica amounts (`add`: cached
+tokens predicted and reported) are added to plain Python totals under one lock,
 and folded into the Prometheus series every FLUSH_EVERY requests and whenever the registry is
 collected (a /metrics scrape, a worker's snapshot): ~15 locked updates per request become a few
-per batch, and what a scrape reads is always complete."""
+per batch, and what a scrape reads is always complete. Requests in flight by replica are read
+from the load tracker when collected (`in_flight.source`), with nothing to update per request."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,7 @@ from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
 
 # LLM latencies span decades: ms-scale token gaps, seconds-to-minutes for whole requests.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -39,6 +41,22 @@ class _FlushFirst:
         return []
 
 
+class _ReadOnCollect:
+    """A gauge by replica whose values a function gives when the registry is collected: `source`
+    returns (replica, value) pairs (the gateway sets it to the load tracker's own in-flight
+    counts; none until then)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
+        self.source = lambda: ()
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["replica"])
+        for replica, value in self.source():
+            family.add_metric([replica], value)
+        return [family]
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -56,8 +74,8 @@ class GatewayMetrics:
                              buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("kvgate_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
                              buckets=E2E_BUCKETS_S, registry=r)
-        self.in_flight = Gauge("kvgate_requests_in_flight", "Requests being proxied, by replica.",
-                               ["replica"], registry=r)
+        self.in_flight = _ReadOnCollect("kvgate_requests_in_flight", "Requests being proxied, by replica.")
+        r.register(self.in_flight)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("kvgate_generation_tokens",

@@ -134,7 +134,7 @@ def test_merged_metrics_sum_counters_keep_gauges_per_worker_and_a_restart_contin
     workers = [GatewayMetrics(), GatewayMetrics()]
     for count, metrics in zip((3, 4), workers):
         metrics.requests.labels(replica="r0", status="200").inc(count)
-        metrics.in_flight.labels(replica="r0").set(count)
+        metrics.in_flight.source = lambda count=count: [("r0", count)]  # what its load tracker holds
         metrics.ttft.observe(0.2)
     text = render_merged([("0", collect(workers[0].registry)), ("1", collect(workers[1].registry))]).decode()
     assert metric(text, "kvgate_requests_total", replica="r0", status="200") == 7
@@ -144,6 +144,7 @@ def test_merged_metrics_sum_counters_keep_gauges_per_worker_and_a_restart_contin
     workers[1].requests.labels(replica="r1", status="500").inc(2)
     MetricsSnapshots(tmp_path, "1", workers[1].registry).write()
     successor = GatewayMetrics()  # worker 1, restarted: its own counters start at 0 ...
+    successor.in_flight.source = lambda: [("r0", 0)]
     successor.requests.labels(replica="r0", status="200").inc()
     merged = MetricsSnapshots(tmp_path, "1", successor.registry)
     MetricsSnapshots(tmp_path, "0", workers[0].registry).write()
