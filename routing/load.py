@@ -203,6 +203,17 @@ class LoadTracker:
         load = self.replicas.get(replica)
         return 0 if load is None else load.waiting + load.decoding
 
+    def with_room(self, replicas: Sequence[str], limit: int) -> list[str]:
+        """The replicas among `replicas` with fewer than `limit` of our requests (own_in_flight),
+        in their order: admission's check, one call for a request's candidates."""
+        loads = self.replicas
+        out = []
+        for name in replicas:
+            load = loads.get(name)
+            if load is None or load.waiting + load.decoding < limit:
+                out.append(name)
+        return out
+
     def running_prefix(self, replica: str, block_hashes: Sequence[int], depth: int) -> bool:
         """Is one of our requests in flight on `replica` sharing this prompt's first `depth`
         blocks? (Chained hashes: equal hash at depth-1 means equal prefix.) A loop over that
