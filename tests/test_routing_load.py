@@ -34,6 +34,19 @@ def test_own_accounting_follows_a_request_through_its_life():
     assert tracker.in_flight("a", 0) == 0 and tracker.queue_delay_s("a", 0) == 0
 
 
+def test_admission_room_counts_our_waiting_and_decoding_requests():
+    tracker = LoadTracker()
+    tracker.on_routed("a", 100)
+    tracker.on_routed("a", 100)
+    tracker.on_first_token("a", 100, 0)
+    tracker.on_routed("b", 100)
+    assert tracker.with_room(["a", "b", "never-routed"], 2) == ["b", "never-routed"]  # a: 1 waiting + 1 decoding
+    assert tracker.with_room(["b", "a"], 3) == ["b", "a"]  # in the order asked
+    tracker.on_finished("a", 100, 0)
+    assert tracker.with_room(["a"], 2) == ["a"]
+    assert tracker.with_room(["a", "b"], 1) == []
+
+
 def test_the_prefill_ahead_drains_while_the_replica_works_on_it():
     """A long prompt routed a while ago is partly prefilled: a new request does not wait for all of it
     (routing a cache hit away from a replica whose queue was already half done is a miss)."""
