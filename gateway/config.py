@@ -79,6 +79,10 @@ class HealthSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eject_max_s: PositiveSeconds = 60.0
     restart_backoff_s: PositiveSeconds = 1.0     # `kvgate up`: first restart of a dead replica, doubling
     max_restarts_per_minute: Annotated[int, Meta(ge=0)] = 5
+    # With every replica of a model out of rotation, send its requests to those not known to be
+    # gone (ejected for timeouts or errors, not for a refused connection) instead of a 503: all
+    # ejected at once usually means all loaded, and a 503 for everyone turns that into an outage.
+    panic_routing: bool = True
 
 
 class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -14,6 +14,12 @@ States (what /admin/replicas and kvgate_replica_state show):
              ones it runs finish; /undrain brings it back
 An ejection lasts `eject_base_s`, doubled each time the replica is ejected again within
 `flap_window_s` of its last return (a flapping replica stays out longer), up to `eject_max_s`.
+
+`gone`: the latest failure seen was a refused connection (nothing listens there), until a probe
+or a request gets an answer or a failure of another kind. A replica out of rotation but not gone
+(`may_answer`: ejected or probing after timeouts, errors, a slow /health) is what a gateway
+whose every replica of a model is out of rotation still tries (`health.panic_routing`): when all
+of them fail at once, the usual cause is load on every one (probes timing out), not that all died.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ CHANGES = [0]
 
 class ReplicaHealth:
     __slots__ = ("policy", "state", "reason", "since_s", "ejected_until_s", "ejections", "_eject_s",
-                 "_returned_s", "_probe_ok", "_probe_fail", "_req_fail", "_outcomes", "_drained_from")
+                 "_returned_s", "_probe_ok", "_probe_fail", "_req_fail", "_outcomes", "_drained_from", "gone")
 
     def __init__(self, policy: HealthPolicy, now_s: float) -> None:
         self.policy = policy
@@ -59,10 +65,21 @@ class ReplicaHealth:
         self._req_fail = 0
         self._outcomes: deque[tuple[float, bool]] = deque()  # (time, ok) of recent requests
         self._drained_from: str | None = None
+        self.gone = False
 
     @property
     def in_rotation(self) -> bool:
         return self.state == HEALTHY
+
+    @property
+    def may_answer(self) -> bool:
+        """Out of rotation for failures that do not prove it gone: tried when nothing is in rotation."""
+        return (self.state == EJECTED or self.state == PROBING) and not self.gone
+
+    def _seen(self, gone: bool) -> None:
+        if gone != self.gone:
+            self.gone = gone
+            CHANGES[0] += 1  # what may answer changed (ReplicaPool.candidates' panic set)
 
     def _set(self, state: str, now_s: float, reason: str | None = None) -> str | None:
         """Change state; returns the old state when it changed (the caller logs transitions)."""
@@ -74,6 +91,7 @@ class ReplicaHealth:
 
     # ---- active probes ----------------------------------------------------------------------
     def on_probe(self, ok: bool, now_s: float, reason: str | None = None, fatal: bool = False) -> str | None:
+        self._seen(not ok and fatal)
         if self.state == DRAINING:
             self._drained_from = HEALTHY if ok else EJECTED
             return None
@@ -103,6 +121,7 @@ class ReplicaHealth:
     def on_request(self, ok: bool, now_s: float, reason: str | None = None, fatal: bool = False) -> str | None:
         """A request outcome that says something about the replica (connection failure, timeout,
         5xx; not a client's 4xx). `fatal`: a refused connection, which ejects at once."""
+        self._seen(not ok and fatal)
         outcomes = self._outcomes
         outcomes.append((now_s, ok))
         horizon = now_s - self.policy.error_window_s

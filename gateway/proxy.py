@@ -197,6 +197,9 @@ class Proxy:
         candidates = self.pool.candidates(model)
         if not candidates:
             raise Unavailable(f"No healthy replica serving `{model}`.", retry_after_s=1)
+        if self.pool.panicking and model in self.pool.panicking:
+            record.panic_routing = True
+            self.metrics.panic_routed.labels(model=model).inc()
 
         bundle = candidates[0].tokenizer
         prompt_ids = await prompt_token_ids(parsed, bundle)

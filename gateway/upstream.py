@@ -97,6 +97,7 @@ class ReplicaPool:
         self.by_name = {replica.name: replica for replica in self.replicas}
         self._candidates: dict[str, tuple[ReplicaState, ...]] = {}  # see candidates()
         self._candidates_seen = -1
+        self.panicking: set[str] = set()  # models whose candidates are a panic set (see candidates())
         self._candidates_of: list[ReplicaState] | None = None
         self.session: aiohttp.ClientSession | None = None
         self.client: UpstreamClient | None = None   # the proxied requests' pool
@@ -174,13 +175,26 @@ class ReplicaPool:
     def candidates(self, model: str) -> tuple[ReplicaState, ...]:
         """Ready replicas serving `model`, in config order (policies rely on a stable order). Kept
         per model until a replica's health, tokenizer or models change or the replica list is
-        replaced (a request asks twice, and each ask was ~4 property calls a replica)."""
+        replaced (a request asks twice, and each ask was ~4 property calls a replica).
+
+        Panic routing (`health.panic_routing`, on by default): when none is ready, the replicas
+        out of rotation that are not known to be gone (ReplicaHealth.may_answer) and have a
+        tokenizer; the model is then in `panicking`."""
         if self._candidates_seen != CHANGES[0] or self._candidates_of is not self.replicas:
             self._candidates.clear()
+            self.panicking.clear()
             self._candidates_seen, self._candidates_of = CHANGES[0], self.replicas
         found = self._candidates.get(model)
         if found is None:
-            found = self._candidates[model] = tuple(r for r in self.replicas if r.ready and r.serves(model))
+            found = tuple(r for r in self.replicas if r.ready and r.serves(model))
+            if not found and self.config.health.panic_routing:
+                found = tuple(r for r in self.replicas
+                              if r.health.may_answer and r.tokenizer is not None and r.serves(model))
+                if found:
+                    self.panicking.add(model)
+                    log.warning("panic_routing", model=model, replicas=[r.name for r in found],
+                                why="no replica in rotation; trying those not known to be gone")
+            self._candidates[model] = found
         return found
 
     def known_models(self) -> list[str]:

@@ -125,6 +125,9 @@ class GatewayMetrics:
                                    registry=r)
         self.ejections = Counter("kvgate_replica_ejections", "Times a replica was taken out of rotation.",
                                  ["replica", "reason"], registry=r)
+        self.panic_routed = Counter("kvgate_panic_routed_requests", "Requests sent to replicas out of rotation "
+                                    "because none serving their model was in it (health.panic_routing).",
+                                    ["model"], registry=r)
         # Prefill/decode pools.
         self.pd_requests = Counter("kvgate_pd_requests", "P/D tries by path: prefill_decode (two legs), "
                                    "skipped_prefill (the decode replica held the prompt), fallback (no "

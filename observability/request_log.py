@@ -32,7 +32,7 @@ class RequestRecord:
                  "prompt_token_ids", "output_token_ids", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "finish_reason", "error", "routing", "started_s", "routed_s",
                  "first_token_s", "last_token_s", "itl_s", "finished_s", "failover", "failed_after_headers", "pd",
-                 "key", "tenant", "_emitted")
+                 "key", "tenant", "panic_routing", "_emitted")
 
     def __init__(self, request_id: str, endpoint: str, started_s: float | None = None) -> None:
         self.request_id = request_id
@@ -60,6 +60,7 @@ class RequestRecord:
         self.pd: dict | None = None              # P/D: prefill and decode replica, KV moved, skips, fallbacks
         self.key: str | None = None              # the API key's NAME (never the key), when keys are on
         self.tenant: str | None = None           # whose prefix cache it used
+        self.panic_routing = False               # sent while no replica of its model was in rotation
         self._emitted = False
 
     def tokens_arrived(self, ids: list[int], now_s: float, events: int = 1) -> None:
@@ -123,6 +124,8 @@ class RequestRecord:
             fields["failed_after_headers"] = True
         if self.pd is not None:
             fields["pd"] = self.pd
+        if self.panic_routing:
+            fields["panic_routing"] = True
         prompt_ids = self.prompt_token_ids
         if token_ids == "full":
             fields["prompt_token_ids"] = prompt_ids

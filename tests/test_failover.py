@@ -626,3 +626,71 @@ def test_an_engine_that_dies_or_stalls_is_ejected_and_its_stream_resumes(tmp_pat
             assert "engine_died" in faulty.logs()
         poll(lambda: http("GET", server.url + "/admin/replicas")[2]["replicas"][0]["state"] == "ejected",
              "the faulty replica ejected", server)
+
+
+def test_with_every_replica_out_of_rotation_requests_go_to_those_not_known_gone(tmp_path):
+    """Panic routing: both replicas ejected at once (their probes timed out while frozen, as on a
+    host too loaded to answer /health in time) still get the model's requests, streamed and not,
+    instead of a 503 for everyone; a replica whose port refuses connections is left out."""
+    with contextlib.ExitStack() as stack:
+        stubs = [stack.enter_context(StubProcess(model="tiny")) for _ in range(2)]
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\n"
+                          "health: {probe_interval_s: 0.2, probe_timeout_s: 0.3, unhealthy_threshold: 2,\n"
+                          "         eject_base_s: 120}\n"  # out of rotation for the whole test
+                          "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
+                          + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: tiny}}\n"
+                                    for i, stub in enumerate(stubs)))
+        server = stack.enter_context(run_gateway(config, port))
+        gateway = Gateway(server, [])
+        states = lambda: {e["name"]: e["state"] for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
+        poll(lambda: set(states().values()) == {"healthy"}, "both stubs healthy", server)
+        for stub in stubs:
+            os.kill(stub.pid, signal.SIGSTOP)
+        try:
+            poll(lambda: set(states().values()) == {"ejected"}, "both stubs ejected", server)
+        finally:
+            for stub in stubs:
+                os.kill(stub.pid, signal.SIGCONT)
+        served = set()
+        for n in range(4):
+            streamed = n % 2 == 1
+            if streamed:
+                got = stream(server.url, "/v1/completions", body_for("/v1/completions", n, 8), f"panic-{n}")
+                assert got["error"] is None and got["done"] == 1
+            else:
+                got = answer(server.url, "/v1/completions", {**body_for("/v1/completions", n, 8), "stream": False},
+                             f"panic-{n}")
+            assert len(got["ids"]) == 8
+            record = gateway.record(f"panic-{n}")
+            assert record["status"] == 200 and record["panic_routing"] is True
+            served.add(record["replica"])
+        assert served == {"s0", "s1"}  # spread as usual
+        assert set(states().values()) == {"ejected"}  # still out of rotation: answering is not a probe
+        text = http("GET", server.url + "/metrics")[2]
+        assert metric(text, "kvgate_panic_routed_requests_total", model="tiny") == 4
+        # s1's process is gone: a refused connection takes it out of the panic set too.
+        stubs[1].process.kill()
+        stubs[1].process.wait()
+        for n in range(4, 10):
+            got = answer(server.url, "/v1/completions", {**body_for("/v1/completions", n, 8), "stream": False},
+                         f"panic-{n}")
+            assert len(got["ids"]) == 8
+        assert {gateway.record(f"panic-{n}")["replica"] for n in range(6, 10)} == {"s0"}
+
+
+def test_a_replica_is_known_gone_only_while_its_latest_failure_is_a_refused_connection():
+    from gateway.health import HealthPolicy, ReplicaHealth
+    health = ReplicaHealth(HealthPolicy(unhealthy_threshold=2, eject_base_s=10), now_s=0.0)
+    health.on_probe(True, 0.0)
+    assert health.state == "healthy" and not health.may_answer  # in rotation: no panic needed
+    health.on_probe(False, 1.0, "health probe: timeout")
+    health.on_probe(False, 2.0, "health probe: timeout")
+    assert health.state == "ejected" and health.may_answer  # slow, maybe loaded: still worth a try
+    health.on_request(False, 3.0, "connect: refused", fatal=True)
+    assert health.gone and not health.may_answer
+    health.on_probe(True, 4.0)  # it answers again (still ejected until 12 s)
+    assert health.state == "ejected" and health.may_answer
+    health.drain(5.0)
+    assert not health.may_answer  # an operator took it out: never panic-routed
