@@ -278,9 +278,9 @@ class Proxy:
                 record.replica = replica.name
                 if record.routed_s is None:
                     record.routed_s = attempt.routed_s
-                record.routing = attempt.log
+                record.routing = attempt  # its explanation is built when the record is written
                 if failed:
-                    record.routing["retried_after"] = list(failed)
+                    attempt.retried_after = list(failed)
                 leg = None
                 if resuming:
                     answer.start_resume(replica.tokenizer or self._any_tokenizer(plan.model))

@@ -284,7 +284,7 @@ class Router:
         policy = self.policy
         decision = policy.choose(candidates, request)
         # The load each candidate looked like when it was chosen (the record explains the choice).
-        estimates = _estimates_log(state, candidates, decision) if policy.name != "round_robin" else None
+        estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
         try:
             # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
             # decision path: on the next loop turn, once the request is on its way upstream.
@@ -298,8 +298,8 @@ class RoutedAttempt:
     """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
     however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
     corrects approximate mode's table."""
-    __slots__ = ("router", "routed", "replica", "log", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
-                 "batch", "decode_sample")
+    __slots__ = ("router", "routed", "replica", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
+                 "batch", "decode_sample", "retried_after", "_mode", "_estimates", "_log")
 
     def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
         self.router = router
@@ -317,10 +317,12 @@ class RoutedAttempt:
         # its whole answer: times the replica's decode step (Router.observe_decode)
         self.decode_sample: tuple[int, float] | None = None
         decision: Decision = routed.decision
-        self.log = decision.as_log()
-        self.log["mode"] = "precise" if router.precise.get(self.replica) else "approximate"
-        if estimates is not None:
-            self.log["load_estimate"] = estimates
+        # The record's explanation is built when first read (the record is written after the
+        # answer), not before the request goes upstream: what it says is fixed now.
+        self._mode = "precise" if router.precise.get(self.replica) else "approximate"
+        self._estimates = estimates
+        self._log: dict | None = None
+        self.retried_after: list[str] | None = None  # the replicas this request failed on before
         if decision.predicted_cached_tokens:
             metrics = router.metrics
             metrics.add(metrics.predicted_cached_tokens, self.replica, decision.predicted_cached_tokens)
@@ -328,6 +330,20 @@ class RoutedAttempt:
     @property
     def started_decoding(self) -> bool:
         return self.routed.started_decoding
+
+    @property
+    def log(self) -> dict:
+        """The `routing` field of the request record: the decision's explanation, the replica's
+        routing mode, each candidate's load estimate, the replicas tried before."""
+        out = self._log
+        if out is None:
+            out = self._log = self.routed.decision.as_log()
+            out["mode"] = self._mode
+            if self._estimates is not None:
+                out["load_estimate"] = _estimates_log(*self._estimates)
+        if self.retried_after:
+            out["retried_after"] = self.retried_after
+        return out
 
     def first_token(self) -> None:
         """The replica prefilled the prompt: its first token (or, not streamed, its answer) came."""
@@ -361,10 +377,10 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimates_log(state: RoutingState, candidates: list[str], decision: Decision) -> dict:
-    """Each candidate's load estimate (tracker.estimate's fields): the in-flight counts and queueing
-    delays the policy decided on when it kept them (choose() changes no load), else one pass of the
-    tracker."""
+def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> tuple:
+    """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
+    try is counted right after this): the in-flight counts and queueing delays the policy kept,
+    else one pass of the tracker, with the counts behind them, as plain tuples for _estimates_log."""
     tracker = state.tracker
     figures = getattr(decision, "loads_and_delays", None)
     if figures is not None:
@@ -372,14 +388,17 @@ def _estimates_log(state: RoutingState, candidates: list[str], decision: Decisio
     else:
         now = state.clock()
         loads, delays = tracker.loads_and_delays(candidates, now)
-    stale_after_s = tracker.model.stale_after_s
-    out = {}
-    for name, in_flight, delay_s in zip(candidates, loads, delays):
-        load = tracker.replicas[name]  # loads_and_delays made it if it was missing
-        out[name] = {"waiting": load.waiting, "pending_prefill_tokens": load.pending_prefill_tokens,
-                     "decoding": load.decoding, "in_flight": int(in_flight),
-                     "queue_delay_ms": ms(delay_s), "scraped_fresh": now - load.scraped.at_s <= stale_after_s}
-    return out
+    loads_of = tracker.replicas  # loads_and_delays made each one that was missing
+    return now - tracker.model.stale_after_s, [
+        (name, load.waiting, load.pending_prefill_tokens, load.decoding, in_flight, delay_s, load.scraped.at_s)
+        for name, in_flight, delay_s, load in zip(candidates, loads, delays, map(loads_of.__getitem__, candidates))]
+
+
+def _estimates_log(fresh_after_s: float, rows: list[tuple]) -> dict:
+    """tracker.estimate's fields by candidate, from _estimates' rows."""
+    return {name: {"waiting": waiting, "pending_prefill_tokens": pending, "decoding": decoding,
+                   "in_flight": int(in_flight), "queue_delay_ms": ms(delay_s), "scraped_fresh": at_s >= fresh_after_s}
+            for name, waiting, pending, decoding, in_flight, delay_s, at_s in rows}
 
 
 def _averaged(averages: dict[str, tuple[float, int]], key: str, sample: float) -> tuple[float, int]:

@@ -48,7 +48,7 @@ class RequestRecord:
         self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.routing: dict | None = None
+        self.routing = None  # a dict, or an object whose .log is one (the gateway's try, read at emit)
         self.started_s = time.perf_counter() if started_s is None else started_s  # its times count from here
         self.routed_s: float | None = None       # its first try's replica chosen (then sent at once)
         self.first_token_s: float | None = None
@@ -101,6 +101,9 @@ class RequestRecord:
 
     def as_fields(self, token_ids: TokenIdPolicy) -> dict:
         first, started, itl, routed = self.first_token_s, self.started_s, self.itl_s, self.routed_s
+        routing = self.routing
+        if routing is not None and routing.__class__ is not dict:
+            routing = routing.log
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         fields = {
             "request_id": self.request_id, "model": self.model, "replica": self.replica,
@@ -112,7 +115,7 @@ class RequestRecord:
             "e2e_ms": ms(end - started),
             "itl_mean_ms": ms(sum(itl) / len(itl)) if itl else None,
             "itl_max_ms": ms(max(itl)) if itl else None,
-            "finish_reason": self.finish_reason, "routing": self.routing,
+            "finish_reason": self.finish_reason, "routing": routing,
         }
         if self.key is not None:
             fields["key"], fields["tenant"] = self.key, self.tenant

@@ -335,3 +335,26 @@ def test_non_streamed_requests_are_timed_first_then_one_in_n_at_most_one_per_gap
     router.apply(parse_config("routing: {policy: round_robin}\n"
                                "replicas:\n  - {name: r0, url: 'http://127.0.0.1:1', model: m}\n"))
     assert not any(router.times_non_stream("m") for _ in range(100))  # nothing to learn for
+
+
+def test_a_tries_routing_explanation_says_what_the_policy_saw_when_it_chose():
+    """The record's `routing` is built when the record is written, after the answer: its loads,
+    estimates and reason are still those of the moment of the choice, not of the write."""
+    config = parse_config("routing: {policy: cache_aware}\nreplicas:\n"
+                          "  - {name: r0, url: 'http://127.0.0.1:1', model: m}\n"
+                          "  - {name: r1, url: 'http://127.0.0.1:2', model: m}\n")
+    router = Router(config, GatewayMetrics())
+    tracker = router.state.tracker
+    tracker.on_routed("r1", 100)  # one of ours already waiting on r1
+    ids = list(range(48))
+    with router.attempt(["r0", "r1"], "m", ids, router.hashes(ids, None), None, None, 4) as attempt:
+        assert attempt.replica == "r0"
+        attempt.retried_after = ["r9"]
+    for _ in range(3):  # after the choice: more load everywhere, and the try itself has ended
+        tracker.on_routed("r0", 100)
+        tracker.on_routed("r1", 100)
+    routing = attempt.log
+    assert routing["chosen"] == "r0" and routing["load"] == {"r0": 0, "r1": 1}
+    assert {name: e["waiting"] for name, e in routing["load_estimate"].items()} == {"r0": 0, "r1": 1}
+    assert routing["load_estimate"]["r1"]["in_flight"] == 1 and routing["mode"] == "approximate"
+    assert routing["retried_after"] == ["r9"] and "reason" in routing
