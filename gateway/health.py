@@ -168,4 +168,6 @@ class ReplicaHealth:
                "ejections": self.ejections}
         if self.state == EJECTED:
             out["back_in_s"] = round(max(self.ejected_until_s - now_s, 0.0), 3)
+        if self.gone:
+            out["gone"] = True  # its port refused the last connection: no panic routing to it
         return out

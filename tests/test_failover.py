@@ -678,6 +678,8 @@ def test_with_every_replica_out_of_rotation_requests_go_to_those_not_known_gone(
                          f"panic-{n}")
             assert len(got["ids"]) == 8
         assert {gateway.record(f"panic-{n}")["replica"] for n in range(6, 10)} == {"s0"}
+        admin = {e["name"]: e for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
+        assert admin["s1"].get("gone") is True and "gone" not in admin["s0"]
 
 
 def test_a_replica_is_known_gone_only_while_its_latest_failure_is_a_refused_connection():
