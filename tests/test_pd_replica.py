@@ -105,9 +105,11 @@ def metric(http, url: str, name: str, **labels) -> float:
     return total
 
 
-def wait_for_metric(http, url: str, name: str, want: float, timeout_s: float = 20.0, **labels) -> None:
+def wait_for_metric(http, url: str, name: str, want: float, timeout_s: float = 20.0, at_most: bool = False,
+                    **labels) -> None:
+    """Until the metric reads `want` (or, `at_most`, no more than it), bounded."""
     deadline = time.monotonic() + timeout_s
-    while metric(http, url, name, **labels) != want:
+    while (metric(http, url, name, **labels) > want) if at_most else (metric(http, url, name, **labels) != want):
         assert time.monotonic() < deadline, f"{name} never reached {want}: {metric(http, url, name, **labels)}"
         time.sleep(POLL_S)
 
@@ -220,7 +222,9 @@ def test_pinned_blocks_are_freed_after_the_pull(http, prefill, decode):
     assert response.status_code == 200, response.text
     assert metric(http, prefill.url, "kvgate:kv_pinned_blocks") == pinned_before
     assert metric(http, prefill.url, "kvgate:kv_pins_pulled_total") == pulled_before + 1
-    wait_for_metric(http, prefill.url, "vllm:kv_cache_usage_perc", in_use_before)  # back in the pool, not just unlisted
+    # Back in the pool, not just unlisted. At most: a block an earlier test's request still held
+    # when in_use_before was read can be freed meanwhile (seen once in CI: one block below).
+    wait_for_metric(http, prefill.url, "vllm:kv_cache_usage_perc", in_use_before, at_most=True)
 
 
 def test_a_pull_of_no_blocks_only_releases_the_pin(http, prefill):
