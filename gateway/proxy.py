@@ -126,7 +126,6 @@ class Proxy:
         self.active = 0            # requests being handled (drain waits for 0)
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
-        self._main_pools: dict[tuple[str, bool], tuple] = {}  # _main_pool's answers, by model
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._aiohttp(request, "/v1/completions", decode_completion)
@@ -362,7 +361,7 @@ class Proxy:
         queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
         limit = gateway.max_in_flight_per_replica
         while True:
-            ready, ready_names = self._main_pool(plan)
+            ready, ready_names = self.pool.main_pool(plan.model, decode_first=plan.pd is not None)
             if failed:
                 ready = [r for r in ready if r.name not in failed] or ready
                 ready_names = [r.name for r in ready]
@@ -397,24 +396,6 @@ class Proxy:
     def _pool_in_flight(self, role: str) -> int:
         tracker = self.router.state.tracker
         return sum(tracker.own_in_flight(r.name) for r in self.pool.replicas if r.spec.role == role)
-
-    def _main_pool(self, plan: _Plan) -> tuple[tuple[ReplicaState, ...], tuple[str, ...]]:
-        """The replicas a request's answer can come from, and their names: the decode pool of a P/D
-        model (its mixed replicas when no decode replica is ready), else the mixed replicas.
-        Prefill replicas only ever get prefill legs. Kept per model while its candidates are."""
-        ready = self.pool.candidates(plan.model)
-        key = (plan.model, plan.pd is not None)
-        kept = self._main_pools.get(key)
-        if kept is not None and kept[0] is ready:
-            return kept[1]
-        main = ()
-        if plan.pd is not None:
-            main = tuple(r for r in ready if r.spec.role == "decode")
-        if not main:
-            main = tuple(r for r in ready if r.spec.role == "mixed")
-        found = main, tuple(r.name for r in main)
-        self._main_pools[key] = (ready, found)
-        return found
 
     def _signal_room(self) -> None:
         """A try ended: requests queued for room re-check (none queued, the usual case: nothing to do)."""

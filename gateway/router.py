@@ -301,7 +301,7 @@ class RoutedAttempt:
     __slots__ = ("router", "routed", "replica", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
                  "batch", "decode_sample", "retried_after", "_mode", "_estimates", "_log")
 
-    def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
+    def __init__(self, router: Router, routed: Attempt, estimates: tuple | None) -> None:
         self.router = router
         self.routed = routed
         self.replica = routed.replica

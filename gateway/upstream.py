@@ -95,7 +95,7 @@ class ReplicaPool:
         self.policy = health_policy(config.health)
         self.replicas = [ReplicaState(spec, self.policy) for spec in config.replicas]
         self.by_name = {replica.name: replica for replica in self.replicas}
-        self._candidates: dict[str, tuple[ReplicaState, ...]] = {}  # see candidates()
+        self._candidates: dict[object, tuple] = {}  # candidates() by model, main_pool() by (model, decode_first)
         self._candidates_seen = -1
         self.panicking: set[str] = set()  # models whose candidates are a panic set (see candidates())
         self._candidates_of: list[ReplicaState] | None = None
@@ -195,6 +195,20 @@ class ReplicaPool:
                     log.warning("panic_routing", model=model, replicas=[r.name for r in found],
                                 why="no replica in rotation; trying those not known to be gone")
             self._candidates[model] = found
+        return found
+
+    def main_pool(self, model: str, decode_first: bool) -> tuple[tuple[ReplicaState, ...], tuple[str, ...]]:
+        """The candidates a request's answer can come from, and their names: the decode replicas
+        of a P/D model (`decode_first`; its mixed replicas when no decode replica is ready), else
+        the mixed replicas. Prefill replicas only ever get prefill legs. Kept as candidates() is."""
+        ready = self.candidates(model)  # first: it clears what changed
+        key = (model, decode_first)
+        found = self._candidates.get(key)
+        if found is None:
+            main = tuple(r for r in ready if r.spec.role == "decode") if decode_first else ()
+            if not main:
+                main = tuple(r for r in ready if r.spec.role == "mixed")
+            found = self._candidates[key] = main, tuple(r.name for r in main)
         return found
 
     def known_models(self) -> list[str]:
