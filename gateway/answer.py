@@ -16,6 +16,7 @@ A try that dies before its first token is simply tried again; the client never s
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import structlog
@@ -32,44 +33,38 @@ from tokenization.stop_strings import find_stop_string, held_back_chars
 log = structlog.get_logger("kvgate.proxy")
 
 
-class AnswerSpec:
+class AnswerSpec(msgspec.Struct, eq=False):
     """What the client asked for, as far as shaping the answer goes."""
-    __slots__ = ("chat", "stream", "model", "wants_token_ids", "wants_usage", "stops", "skip_special_tokens",
-                 "echo_chars")
-
-    def __init__(self, chat: bool, stream: bool, model: str, wants_token_ids: bool, wants_usage: bool,
-                 stops: list[str], skip_special_tokens: bool, echo_chars: int = 0) -> None:
-        self.chat = chat
-        self.stream = stream
-        self.model = model
-        self.wants_token_ids = wants_token_ids
-        self.wants_usage = wants_usage
-        self.stops = stops
-        self.skip_special_tokens = skip_special_tokens
-        self.echo_chars = echo_chars  # completions with echo: the prompt text that leads the first chunk
+    chat: bool
+    stream: bool
+    model: str
+    wants_token_ids: bool
+    wants_usage: bool
+    stops: list[str]
+    skip_special_tokens: bool
+    echo_chars: int = 0  # completions with echo: the prompt text that leads the first chunk
 
 
-class Answer:
-    __slots__ = ("spec", "record", "reply_headers", "exchange", "texts", "emitted_chars", "opening_sent",
-                 "finish_reason", "stop_reason", "base", "prompt_token_ids", "delivered", "_echo_left",
-                 "kv_stats", "_detok")
+class Answer(msgspec.Struct, eq=False):
+    """A Struct (compared by identity): one per request, its fields filled in C."""
+    spec: AnswerSpec
+    record: RequestRecord
+    reply_headers: dict
+    exchange: Exchange
+    texts: list[str] = []                # output text so far (collect mode, and for the seam)
+    emitted_chars: int = 0               # output characters the client has or the answer holds
+    opening_sent: bool = False           # a chat stream's role chunk went out
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    base: dict | None = None             # id/object/created/model of the first chunk seen
+    prompt_token_ids: list[int] | None = None
+    delivered: bool = False              # [DONE] (or the whole JSON answer) went out
+    _echo_left: int = 0                  # echo characters still to lead the output
+    kv_stats: dict | None = None         # a P/D decode leg's kv_transfer_stats (bytes pulled, seconds)
+    _detok: IncrementalDetokenizer | None = None  # resumed mode
 
-    def __init__(self, spec: AnswerSpec, record: RequestRecord, reply_headers: dict, exchange: Exchange) -> None:
-        self.spec = spec
-        self.record = record
-        self.reply_headers = reply_headers
-        self.exchange = exchange
-        self.texts: list[str] = []      # output text so far (collect mode, and for the seam)
-        self.emitted_chars = 0          # output characters the client has or the answer holds
-        self.opening_sent = False       # a chat stream's role chunk went out
-        self.finish_reason: str | None = None
-        self.stop_reason = None
-        self.base: dict | None = None   # id/object/created/model of the first chunk seen
-        self.prompt_token_ids: list[int] | None = None
-        self.delivered = False          # [DONE] (or the whole JSON answer) went out
-        self._echo_left = spec.echo_chars
-        self.kv_stats: dict | None = None  # a P/D decode leg's kv_transfer_stats (bytes pulled, seconds)
-        self._detok: IncrementalDetokenizer | None = None  # resumed mode
+    def __post_init__(self) -> None:
+        self._echo_left = self.spec.echo_chars
 
     @property
     def complete(self) -> bool:

@@ -6,6 +6,8 @@ and gateway/hot_path.py writes straight to the connection's transport (the hot e
 gateway's own HTTP/1.1 protocol). The proxy and the answer only ever talk to this interface."""
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from gateway.auth import Grant, grant_of
@@ -23,7 +25,7 @@ class Exchange:
     headers: object          # case-insensitive mapping: .get(name)
     grant: Grant
     streaming = False        # a stream's head went out
-    arrived_s: float | None = None  # perf_counter when the whole request was in (hot path), else None
+    arrived_s: float         # perf_counter when the whole request was in (hot path), or its handler began
 
     async def body(self) -> bytes:
         raise NotImplementedError
@@ -60,9 +62,10 @@ class Exchange:
 
 class AiohttpExchange(Exchange):
     """A request aiohttp parsed; the handler returns `response` once the proxy is done."""
-    __slots__ = ("request", "request_id", "headers", "grant", "response", "streaming")
+    __slots__ = ("request", "request_id", "headers", "grant", "response", "streaming", "arrived_s")
 
     def __init__(self, request: web.Request, request_id: str) -> None:
+        self.arrived_s = time.perf_counter()
         self.request = request
         self.request_id = request_id
         self.headers = request.headers

@@ -213,7 +213,7 @@ class HotExchange(Exchange):
 
     def __init__(self, conn: "HotProtocol", request: _HotRequest, request_id: str, keep_alive: bool,
                  hooks: tuple, arrived_s: float | None = None) -> None:
-        self.arrived_s = arrived_s
+        self.arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         self.conn = conn
         self.request = request
         self.request_id = request_id

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 import structlog
@@ -66,28 +66,22 @@ class TryFailed(Exception):
         self.counts_against_replica = counts_against_replica  # False: it is busy, not broken
 
 
-class _Plan:
-    """Everything about one request that every try of it reuses."""
-    __slots__ = ("parsed", "_raw", "_body", "model", "prompt_ids", "_router", "_hashes", "session_key",
-                 "streamed_upstream", "payload", "deadline", "pd", "ttft_timeout_s", "inter_token_timeout_s")
-
-    def __init__(self, parsed: AnyRequest, raw: dict | None, body: bytes, model: str, prompt_ids: list[int],
-                 router: Router, session_key, streamed_upstream: bool, payload: bytes, deadline: float,
-                 pd: PDState | None, ttft_timeout_s: float, inter_token_timeout_s: float) -> None:
-        self.parsed = parsed
-        self._raw = raw    # None: `payload` is the client's body with return_token_ids spliced in
-        self._body = body
-        self.model = model
-        self.prompt_ids = prompt_ids
-        self._router = router
-        self._hashes = None
-        self.session_key = session_key
-        self.streamed_upstream = streamed_upstream  # the replica streams (unless the answer has fields we cannot collect)
-        self.payload = payload
-        self.deadline = deadline                    # loop time by which the whole request is over
-        self.pd = pd                                # set when the model is served by prefill/decode pools
-        self.ttft_timeout_s = ttft_timeout_s
-        self.inter_token_timeout_s = inter_token_timeout_s
+class _Plan(msgspec.Struct, eq=False):
+    """Everything about one request that every try of it reuses (a Struct: filled in C)."""
+    parsed: AnyRequest
+    _raw: dict | None      # None: `payload` is the client's body with return_token_ids spliced in
+    _body: bytes
+    model: str
+    prompt_ids: list[int]
+    _router: Router
+    session_key: Any
+    streamed_upstream: bool  # the replica streams (unless the answer has fields we cannot collect)
+    payload: bytes
+    deadline: float          # loop time by which the whole request is over
+    pd: PDState | None       # set when the model is served by prefill/decode pools
+    ttft_timeout_s: float
+    inter_token_timeout_s: float
+    _hashes: Any = None
 
     @property
     def raw(self) -> dict:
