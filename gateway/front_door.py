@@ -106,13 +106,17 @@ class FrontDoor:
         return error_response(err)
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        grant = request.get(GRANT)
-        if grant is not None:
+        self.add_headers(request.get(GRANT), request.get(REQUEST_ID), response.headers)
+
+    @staticmethod
+    def add_headers(grant, request_id: str | None, headers) -> None:
+        """What every response gets from the front door: the key's rate-limit headers and the
+        request id, unless set already (the hot path calls this on its own response headers)."""
+        if grant is not None and grant.key is not None:
             for name, value in grant.headers().items():
-                response.headers.setdefault(name, value)
-        request_id = request.get(REQUEST_ID)
-        if request_id is not None and "x-request-id" not in response.headers:
-            response.headers["x-request-id"] = request_id
+                headers.setdefault(name, value)
+        if request_id is not None and "x-request-id" not in headers:
+            headers["x-request-id"] = request_id
 
 
 def _with_header(request: web.Request, name: str, value: str) -> CIMultiDict:

@@ -69,7 +69,13 @@ class HotPath:
         self.app = app
         self.door = door
         self.proxy = app["proxy"]
-        self.hooks = tuple(app.on_response_prepare)
+        hooks = tuple(app.on_response_prepare)
+        # The front door's own hook comes first (gateway/server.py): called directly on the
+        # response's header dict; any other hook sees a response object, as on aiohttp.
+        if hooks and getattr(hooks[0], "__func__", None) is FrontDoor.on_prepare and hooks[0].__self__ is door:
+            self.hooks, self.door_headers = hooks[1:], door.add_headers
+        else:
+            self.hooks, self.door_headers = hooks, None
 
     @classmethod
     def of(cls, app: web.Application) -> "HotPath | None":
@@ -98,7 +104,7 @@ class HotPath:
         request_id = checked_request_id(headers.get("x-request-id")) or new_request_id()
         request = _HotRequest(headers, endpoint)
         request[REQUEST_ID] = request_id
-        exchange = HotExchange(conn, request, request_id, keep_alive, self.hooks, arrived_s)
+        exchange = HotExchange(conn, request, request_id, keep_alive, self, arrived_s)
         try:
             grant = door.gate.authenticate(request)
         except APIError as err:
@@ -140,7 +146,7 @@ class HotPath:
         request_id = checked_request_id(headers.get("x-request-id")) or new_request_id()
         request = _HotRequest(headers, endpoint)
         request[REQUEST_ID] = request_id
-        exchange = HotExchange(conn, request, request_id, False, self.hooks)
+        exchange = HotExchange(conn, request, request_id, False, self)
         try:
             grant = self.door.gate.authenticate(request)
         except APIError as err:
@@ -209,10 +215,10 @@ class _HotResponse:
 
 class HotExchange(Exchange):
     __slots__ = ("conn", "request", "request_id", "headers", "grant", "streaming", "body_bytes", "keep_alive",
-                 "hooks", "_held", "arrived_s")
+                 "hot", "_held", "arrived_s")
 
     def __init__(self, conn: "HotProtocol", request: _HotRequest, request_id: str, keep_alive: bool,
-                 hooks: tuple, arrived_s: float | None = None) -> None:
+                 hot: HotPath, arrived_s: float | None = None) -> None:
         self.arrived_s = time.perf_counter() if arrived_s is None else arrived_s
         self.conn = conn
         self.request = request
@@ -222,26 +228,35 @@ class HotExchange(Exchange):
         self.streaming = False
         self.body_bytes = b""
         self.keep_alive = keep_alive
-        self.hooks = hooks
+        self.hot = hot
         self._held = b""  # stream bytes written with the next write (see _hold)
 
     async def body(self) -> bytes:
         return self.body_bytes
 
     async def _head(self, status: int, headers: dict, framing: str) -> bytes:
-        response = _HotResponse(status, CIMultiDict(headers))
-        for hook in self.hooks:
-            await hook(self.request, response)
-        lines = [_STATUS_LINES.get(status) or _status_line(status)]
-        for name, value in response.headers.items():
-            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-                raise ValueError(f"header {name!r} holds a line break")
-            lines.append(f"{name}: {value}")
-        lines.append(framing)
-        lines.append(_http_date())
-        if not self.keep_alive or self.conn.closing:
-            lines.append("Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        """The response head; `headers` is the caller's own new dict (added to here)."""
+        hot = self.hot
+        if hot.door_headers is not None:
+            hot.door_headers(self.grant, self.request_id, headers)
+        if hot.hooks:
+            response = _HotResponse(status, CIMultiDict(headers))
+            for hook in hot.hooks:
+                await hook(self.request, response)
+            headers = response.headers
+        fields = "\r\n".join([f"{name}: {value}" for name, value in headers.items()])
+        if fields:
+            # No CR or LF of a header's own: then the block holds exactly the separators' (two
+            # scans in C, where a check of each name and value cost four `in`s a header).
+            breaks = len(headers) - 1
+            if fields.count("\r") != breaks or fields.count("\n") != breaks:
+                for name, value in headers.items():
+                    if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                        raise ValueError(f"header {name!r} holds a line break")
+            fields += "\r\n"
+        close = "Connection: close\r\n" if not self.keep_alive or self.conn.closing else ""
+        status_line = _STATUS_LINES.get(status) or _status_line(status)
+        return f"{status_line}\r\n{fields}{framing}\r\n{_http_date()}\r\n{close}\r\n".encode("latin-1")
 
     async def open_stream(self, headers: dict[str, str], hold: bool = False) -> None:
         head = await self._head(200, headers, "Transfer-Encoding: chunked")

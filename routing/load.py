@@ -123,6 +123,10 @@ class LoadTracker:
         self.clock = clock  # when requests are routed and prefilled (the drain of the backlog)
         self.replicas: dict[str, ReplicaLoad] = {}
         self._tickets = itertools.count(1)
+        # Our requests in flight everywhere: the sum of waiting + decoding over `replicas`, kept
+        # by every step that moves one of them (with_room's shortcut: under a limit in total,
+        # every replica is under it).
+        self.own_total = 0
 
     def _get(self, replica: str) -> ReplicaLoad:
         load = self.replicas.get(replica)
@@ -131,7 +135,9 @@ class LoadTracker:
         return load
 
     def remove_replica(self, replica: str) -> None:
-        self.replicas.pop(replica, None)
+        load = self.replicas.pop(replica, None)
+        if load is not None:
+            self.own_total -= load.waiting + load.decoding
 
     def prefill_rate(self, replica: str) -> float:
         """Tokens/s `replica` is taken to prefill: the learned rate if one was set, else the model's."""
@@ -160,6 +166,7 @@ class LoadTracker:
         load = self._get(replica)
         load.waiting += 1
         load.routed += 1
+        self.own_total += 1
         uncached = max(prompt_tokens - cached_tokens, 0)
         load.pending_prefill_tokens += uncached
         self._drain(load)
@@ -172,7 +179,10 @@ class LoadTracker:
     def on_first_token(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """Same arguments as on_routed (the gateway passes what it predicted then)."""
         load = self._get(replica)
-        load.waiting = max(load.waiting - 1, 0)
+        if load.waiting:
+            load.waiting -= 1  # and decoding += 1 below: own_total stays
+        else:
+            self.own_total += 1  # decoding without having been counted as waiting
         load.pending_prefill_tokens = max(load.pending_prefill_tokens - max(prompt_tokens - cached_tokens, 0), 0)
         self._drain(load)
         load.backlog_tokens = min(load.backlog_tokens, load.pending_prefill_tokens)
@@ -186,7 +196,9 @@ class LoadTracker:
         load = self._get(replica)
         if not started_decoding:
             self.on_first_token(replica, prompt_tokens, cached_tokens)
-        load.decoding = max(load.decoding - 1, 0)
+        if load.decoding:
+            load.decoding -= 1
+            self.own_total -= 1
         load.decoding_context_tokens = max(load.decoding_context_tokens - prompt_tokens, 0)
         if ticket is not None:
             load.running_prompts.pop(ticket, None)
@@ -205,7 +217,10 @@ class LoadTracker:
 
     def with_room(self, replicas: Sequence[str], limit: int) -> list[str]:
         """The replicas among `replicas` with fewer than `limit` of our requests (own_in_flight),
-        in their order: admission's check, one call for a request's candidates."""
+        in their order: admission's check, one call for a request's candidates. Under `limit` in
+        all, `replicas` itself (a tuple: nothing to copy)."""
+        if self.own_total < limit:
+            return replicas
         loads = self.replicas
         out = []
         for name in replicas:

@@ -185,7 +185,7 @@ def test_keys_edits_keep_every_comment_and_round_trip():
 
 ADMIN = "kvgadm-test-admin-token"
 KEYS = {"alice": "kvg-alice-secret", "alice-2": "kvg-alice-2-secret", "bob": "kvg-bob-secret",
-        "limited": "kvg-limited-secret", "narrow": "kvg-narrow-secret"}
+        "limited": "kvg-limited-secret", "narrow": "kvg-narrow-secret", "metered": "kvg-metered-secret"}
 
 
 def _write(path, port: int, replicas, extra_keys: str = "") -> None:
@@ -197,6 +197,7 @@ def _write(path, port: int, replicas, extra_keys: str = "") -> None:
         f"    - {{name: alice-2, sha256: '{sha(KEYS['alice-2'])}', tenant: acme}}\n"
         f"    - {{name: bob, sha256: '{sha(KEYS['bob'])}'}}\n"
         f"    - {{name: limited, sha256: '{sha(KEYS['limited'])}', rpm: 20}}\n"
+        f"    - {{name: metered, sha256: '{sha(KEYS['metered'])}', rpm: 1000, tpm: 1000000}}\n"
         f"    - {{name: narrow, sha256: '{sha(KEYS['narrow'])}', models: [other], max_tokens: 3}}\n"
         f"{extra_keys}replicas:\n"
         f"  - {{name: r0, url: '{replicas[0].url}', model: tiny}}\n"
@@ -277,6 +278,38 @@ def test_rate_limit_is_a_429_with_openais_headers_and_recovers(keyed):
         assert time.monotonic() < deadline
         time.sleep(0.5)
     assert status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_carry_the_keys_rate_limit_headers_and_the_request_id(keyed, stream):
+    """The completions endpoints (the gateway's own hot path) answer with what every response
+    gets from the front door: the key's x-ratelimit-* headers, counting down, and the request id."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    netloc = urlsplit(keyed.url).netloc
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True, "stream": stream})
+    remaining = []
+    for n in range(2):
+        conn = http.client.HTTPConnection(netloc, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body, {**bearer(KEYS["metered"]), "Content-Type": "application/json",
+                                                            "x-request-id": f"metered-{stream}-{n}"})
+            response = conn.getresponse()
+            text = response.read().decode()
+            headers = {k.lower(): v for k, v in response.getheaders()}
+        finally:
+            conn.close()
+        assert response.status == 200, text
+        assert ("data: [DONE]" in text) == stream
+        assert headers["x-request-id"] == f"metered-{stream}-{n}"
+        assert headers["x-ratelimit-limit-requests"] == "1000" and headers["x-ratelimit-limit-tokens"] == "1000000"
+        assert headers["x-ratelimit-reset-requests"].endswith("s")
+        remaining.append(int(headers["x-ratelimit-remaining-requests"]))
+    assert remaining[1] < remaining[0] < 1000, remaining
+    status, headers, _ = completion(keyed, None, {"model": "tiny", "prompt": "hi"}, **{"x-request-id": "no-key"})
+    assert status == 401 and headers["x-request-id"] == "no-key"  # a refusal carries it too
+    assert not any(name.lower().startswith("x-ratelimit") for name in headers)
 
 
 def test_two_tenants_with_the_same_prompt_never_hit_each_others_cache(keyed):

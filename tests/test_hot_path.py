@@ -313,7 +313,8 @@ def test_a_response_header_with_a_line_break_is_refused_not_written():
 
     def head(headers: dict) -> bytes:
         conn = SimpleNamespace(closing=False)
-        exchange = HotExchange(conn, _HotRequest(CIMultiDict(), "/v1/completions"), "id", True, ())
+        hot = SimpleNamespace(hooks=(), door_headers=None)  # no front door, no app hooks
+        exchange = HotExchange(conn, _HotRequest(CIMultiDict(), "/v1/completions"), "id", True, hot)
         return asyncio.run(exchange._head(200, headers, "Content-Length: 2"))
 
     text = head({"x-request-id": "abc", "x-one": "1"}).decode()

@@ -47,6 +47,39 @@ def test_admission_room_counts_our_waiting_and_decoding_requests():
     assert tracker.with_room(["a", "b"], 1) == []
 
 
+def test_admission_room_stays_exact_through_any_order_of_steps():
+    """with_room answers from the tracker's running total of our requests when it is under the
+    limit: whatever order requests are routed, start decoding, finish, or lose their replica to a
+    reload in, that total is the sum over replicas and the answer is the per-replica check's."""
+    import random
+
+    rng = random.Random(7)
+    tracker = LoadTracker()
+    names = ["a", "b", "c"]
+    live: list[tuple[str, int, bool]] = []  # (replica, ticket, decoding)
+    for _ in range(3000):
+        step = rng.random()
+        if step < 0.4 or not live:
+            name = rng.choice(names)
+            live.append((name, tracker.on_routed(name, 100), False))
+        elif step < 0.65:
+            i = rng.randrange(len(live))
+            name, ticket, decoding = live[i]
+            if not decoding:
+                tracker.on_first_token(name, 100)
+                live[i] = (name, ticket, True)
+        elif step < 0.98:
+            name, ticket, decoding = live.pop(rng.randrange(len(live)))
+            if name in tracker.replicas:  # as routing.attempt does after a reload removed it
+                tracker.on_finished(name, 100, started_decoding=decoding, ticket=ticket)
+        else:
+            gone = rng.choice(names)
+            tracker.remove_replica(gone)
+        assert tracker.own_total == sum(tracker.own_in_flight(n) for n in tracker.replicas)
+        limit = rng.randint(1, 12)
+        assert list(tracker.with_room(names, limit)) == [n for n in names if tracker.own_in_flight(n) < limit]
+
+
 def test_the_prefill_ahead_drains_while_the_replica_works_on_it():
     """A long prompt routed a while ago is partly prefilled: a new request does not wait for all of it
     (routing a cache hit away from a replica whose queue was already half done is a miss)."""
