@@ -190,10 +190,10 @@ def worktree(revision: str, directory: Path) -> Path:
     path = directory / f"tree-{re.sub(r'[^A-Za-z0-9_.-]', '_', revision)}"
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f", str(path), revision],
                    check=True, capture_output=True, text=True)
-    for package in ("routing", "gateway"):
-        for built in (REPO_ROOT / package).glob("_*.so"):
-            if (path / package / (built.name.split(".")[0] + ".c")).exists():
-                shutil.copy(built, path / package / built.name)
+    for built in REPO_ROOT.glob("*/_*.so"):  # every package's (a package left out ran its pure-Python fallback)
+        package = built.parent.name
+        if (path / package / (built.name.split(".")[0] + ".c")).exists():
+            shutil.copy(built, path / package / built.name)
     return path
 
 

@@ -156,6 +156,25 @@ def test_request_cost_counts_a_real_gateways_python_work_per_request():
     assert "proxy.py" in done.stdout and "hot_path.py" in done.stdout  # the top functions are the request path's
 
 
+def test_request_cost_counts_another_revision_with_every_compiled_extension(tmp_path):
+    """`bench.request_cost --against REV` checks REV out beside this tree and copies in this tree's
+    compiled extensions: every one whose C source REV has, in any package. One left out runs its
+    pure-Python fallback there and flatters every ratio (protocol/_strip_ids was, for a session)."""
+    import subprocess
+
+    from bench.request_cost import REPO_ROOT, worktree
+
+    built = [p.relative_to(REPO_ROOT) for p in REPO_ROOT.glob("*/_*.so")
+             if (p.parent / (p.name.split(".")[0] + ".c")).exists()]
+    if not built:
+        pytest.skip("no compiled extension in this checkout (no C compiler at install)")
+    path = worktree("HEAD", tmp_path)
+    try:
+        assert [str(b) for b in built if not (path / b).exists()] == []
+    finally:
+        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
+
+
 def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_after():
     """bench.cpu_caps, which bench.cache_routing puts each replica under: a busy loop capped at
     0.2 of a core spends at most about 0.2 s of CPU per second, where uncapped it would spend about 1.
