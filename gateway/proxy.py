@@ -185,9 +185,14 @@ class Proxy:
         body = await exchange.body()
         parsed = decode(body)  # proves the body is a JSON object
         record.stream = parsed.stream
-        model = self._resolve_model(parsed.model)
+        model = parsed.model
+        # A model with candidates is served (the usual case: the pool's cached tuple); otherwise
+        # which model is meant, or why none, is _resolve_model's to say.
+        candidates = self.pool.candidates(model) if model is not None else ()
+        if not candidates:
+            model = self._resolve_model(model)
+            candidates = self.pool.candidates(model)
         record.model = model
-        candidates = self.pool.candidates(model)
         if not candidates:
             raise Unavailable(f"No healthy replica serving `{model}`.", retry_after_s=1)
         if self.pool.panicking and model in self.pool.panicking:

@@ -194,7 +194,8 @@ class ReplicaPool:
                     self.panicking.add(model)
                     log.warning("panic_routing", model=model, replicas=[r.name for r in found],
                                 why="no replica in rotation; trying those not known to be gone")
-            self._candidates[model] = found
+            if found:  # not a name nobody serves: clients choose those, the cache must not grow with them
+                self._candidates[model] = found
         return found
 
     def main_pool(self, model: str, decode_first: bool) -> tuple[tuple[ReplicaState, ...], tuple[str, ...]]:

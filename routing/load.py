@@ -294,8 +294,11 @@ class LoadTracker:
             load = get(replica) or self._get(replica)
             tokens_per_s = load.prefill_tokens_per_s or configured_rate
             pending_tokens = load.pending_prefill_tokens
-            if pending_tokens:
-                pending_tokens = min(pending_tokens, _backlog_left(load, now, tokens_per_s))
+            if pending_tokens:  # _backlog_left, inline (a call a candidate on every decision)
+                elapsed = now - load.backlog_at
+                left = load.backlog_tokens - elapsed * tokens_per_s if elapsed > 0 else load.backlog_tokens
+                if left < pending_tokens:
+                    pending_tokens = left if left > 0.0 else 0.0
             waiting, running = load.waiting, load.decoding
             in_flight = waiting + running
             scraped = load.scraped

@@ -40,3 +40,17 @@ def test_candidates_follow_health_tokenizers_models_and_reloads():
 
     pool.apply(parse_config(YAML.replace("  - {name: b, url: 'http://127.0.0.1:9002', model: m}\n", "")))
     assert names(pool, "m") == ["c"]  # b left with the reload; a is still ejected
+
+
+def test_model_names_nobody_serves_leave_nothing_behind():
+    """The proxy asks for a request's model's candidates before it knows the model is served: a
+    client that sends a new made-up name every time must not grow what the pool keeps."""
+    pool = ReplicaPool(parse_config(YAML))
+    for replica in pool.replicas:
+        replica.tokenizer = object()
+        pool._transition(replica, replica.health.on_probe(True, 0.0))
+    assert names(pool, "m") == ["a", "b"]
+    kept = len(pool._candidates)
+    for n in range(1000):
+        assert pool.candidates(f"made-up-{n}") == ()
+    assert len(pool._candidates) == kept and names(pool, "m") == ["a", "b"]
