@@ -148,3 +148,16 @@ def test_a_short_prompt_that_arrives_with_a_long_new_one_is_tokenized_first():
         return done
 
     assert asyncio.run(both()) == ["short", "long"]
+
+
+def test_remembered_ids_are_the_vocabularys_shared_ints_and_ids_past_it_are_kept_as_they_are():
+    """A remembered piece holds each ID as the table's one int object (memory: a shared pointer,
+    not a new int per token); an ID the table does not have (past the vocabulary, or negative)
+    is kept exactly, not looked up."""
+    tiny = bundle()
+    cache = TokenCache(tiny)
+    size = len(cache._ints)
+    cache._remember(["plain", "odd", "negative"], [[5, 300, size - 1], [7, size, size + 9], [-1, 3]])
+    assert [list(cache._pieces[t]) for t in ("plain", "odd", "negative")] == \
+        [[5, 300, size - 1], [7, size, size + 9], [-1, 3]]
+    assert all(a is b for a, b in zip(cache._pieces["plain"], (cache._ints[5], cache._ints[300], cache._ints[size - 1])))

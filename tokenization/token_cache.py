@@ -173,7 +173,16 @@ class TokenCache:
                 self.misses += 1
                 if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
                     continue
-                stored = pieces[text] = tuple([shared[i] if 0 <= i < size else i for i in ids])
+                # Each ID as the shared int object (8 bytes a token, not a new int's 32); the map
+                # runs in C, and only IDs outside the table (none from a well-formed vocabulary)
+                # take the per-token path.
+                try:
+                    stored = tuple(map(shared.__getitem__, ids)) if not ids or min(ids) >= 0 else None
+                except IndexError:
+                    stored = None
+                if stored is None:
+                    stored = tuple([shared[i] if 0 <= i < size else i for i in ids])
+                pieces[text] = stored
                 self._tokens += len(stored)
                 while self._tokens > self.max_tokens:
                     _, old = pieces.popitem(last=False)
