@@ -161,3 +161,22 @@ def test_remembered_ids_are_the_vocabularys_shared_ints_and_ids_past_it_are_kept
     assert [list(cache._pieces[t]) for t in ("plain", "odd", "negative")] == \
         [[5, 300, size - 1], [7, size, size + 9], [-1, 3]]
     assert all(a is b for a, b in zip(cache._pieces["plain"], (cache._ints[5], cache._ints[300], cache._ints[size - 1])))
+
+
+def test_long_stretches_are_cut_where_the_search_loop_cuts_them():
+    """_chunks cuts a stretch with one findall; _chunks_by_search is the rule as a loop (the first
+    word start at least CHUNK_CHARS after the last cut, while more than CHUNK_CHARS remain): both
+    give the same chunks on random text of every size around the limits, and the chunks are the
+    whole text."""
+    from tokenization.token_cache import CHUNK_CHARS, _chunks, _chunks_by_search
+
+    rng = random.Random(11)
+    alphabet = ["a", "Z", "é", "漢", " ", "  ", "\n", "1", "_", "-", "x y", " q", "\t", "🙂"]
+    sizes = [0, 1, CHUNK_CHARS - 1, CHUNK_CHARS, CHUNK_CHARS + 1, 2 * CHUNK_CHARS, 2 * CHUNK_CHARS + 1, 3000]
+    for n in range(3000):
+        size = sizes[n % len(sizes)] if n < 400 else rng.randrange(0, 4000)
+        weights = [rng.random() for _ in alphabet]
+        text = "".join(rng.choices(alphabet, weights, k=size))[:size]
+        chunks = _chunks(text)
+        assert chunks == _chunks_by_search(text), text
+        assert "".join(chunks) == text

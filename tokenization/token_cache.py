@@ -32,7 +32,9 @@ import json
 import re
 import threading
 import weakref
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from itertools import accumulate, chain, compress, repeat
 
 import structlog
 
@@ -48,6 +50,9 @@ CHUNK_CHARS = 256               # a stretch longer than twice this is cached in 
 _PROBES = ("hello", " leading space", "two  spaces\n\nnewlines\n", "unicode: é 漢字 🙂", "x" * 40, "\n", " ")
 # Where a chunk may start: a space after a non-space, before a letter.
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
+# A chunk: CHUNK_CHARS characters, then up to the next word start (_WORD_START's place); where no
+# word start is left, the rest in one piece (so findall never rescans from each later position).
+_CHUNK_PIECES = re.compile(r"(?s).{%d}.*?(?=(?<=\S) [^\W\d_])|.+" % CHUNK_CHARS)
 
 
 class TokenCache:
@@ -65,6 +70,7 @@ class TokenCache:
         self._lock = threading.Lock()
         config = tokenizer_config(bundle.tokenizer)  # parsed once: a large vocabulary's JSON takes a while
         self._splitter, self._special_ids = _added_token_splitter(config)
+        self._special_keys = {text: (token_id,) for text, token_id in self._special_ids.items()}  # lookup's keys
         self._checks_left = CHECKED_ENCODES if self._splitter is not None else 0
         if self._splitter is not None and not self._probe():
             self._splitter = None
@@ -93,8 +99,8 @@ class TokenCache:
         if not split:
             keys: list = [text]
         else:
-            keys = []  # a piece's text, or an added token's ID
-            special = self._special_ids
+            keys = []  # a piece's text, or an added token's ID as a 1-tuple (its own "cached IDs")
+            special = self._special_keys
             for index, piece in enumerate(splitter.split(text)):
                 if index & 1:  # the captured added token
                     keys.append(special[piece])
@@ -104,25 +110,29 @@ class TokenCache:
                     keys.append(piece)
                 else:
                     keys += _chunks(piece)
-        found: list = []
         misses: list[str] = []
         pieces = self._pieces
         get, touch = pieces.get, pieces.move_to_end
-        hits = 0
         with self._lock:
-            for key in keys:
-                if key.__class__ is int:
-                    found.append(key)
-                    continue
-                cached = get(key)
-                if cached is None:
-                    found.append(None)
-                    misses.append(key)
-                else:
-                    touch(key)
-                    hits += 1
-                    found.append(cached)
-            self.hits += hits
+            # Each key's cached IDs (a tuple), else the key itself: an added token's (its 1-tuple,
+            # which is what `found` holds for it) or a missing text (a str). In C for every key.
+            found = list(map(get, keys, keys))
+            if str not in map(type, found):  # all cached (a repeated prompt, a conversation's turns)
+                texts = list(compress(keys, map(isinstance, keys, repeat(str))))
+                deque(map(touch, texts), maxlen=0)  # each hit is the most recently used
+                self.hits += len(texts)
+            else:
+                hits = 0
+                for index, key in enumerate(keys):
+                    if key.__class__ is not str:
+                        continue  # an added token
+                    if found[index] is key:
+                        found[index] = None
+                        misses.append(key)
+                    else:
+                        touch(key)
+                        hits += 1
+                self.hits += hits
         return Lookup(text, found, misses, split)
 
     def finish(self, lookup: "Lookup", add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
@@ -148,16 +158,13 @@ class TokenCache:
         found = lookup.found
         if len(found) == 1 and encoded:
             ids = encoded[0]
+        elif not misses:
+            ids = list(chain.from_iterable(found))  # every piece's IDs a tuple: joined in C
         else:
             ids = []
             fresh = iter(encoded)
             for item in found:
-                if item is None:
-                    ids += next(fresh)
-                elif item.__class__ is int:
-                    ids.append(item)
-                else:
-                    ids += item
+                ids += next(fresh) if item is None else item
         if lookup.split and self._checks_left:
             self._check(lookup.text, ids)
         if add_special_tokens and self.bundle.add_bos:
@@ -238,7 +245,7 @@ class TokenCache:
 
 class Lookup:
     """A text as TokenCache.lookup left it: per piece its cached IDs (a tuple), an added token's
-    ID, or None (missing: `misses` holds those pieces' texts; plain text between added tokens
+    ID (a 1-tuple), or None (missing: `misses` holds those pieces' texts; plain text between added tokens
     when the text was split)."""
     __slots__ = ("text", "found", "misses", "split", "missing_chars")
 
@@ -253,7 +260,15 @@ class Lookup:
 def _chunks(text: str) -> list[str]:
     """A long stretch cut into its cached chunks: each cut at the first word start at least
     CHUNK_CHARS after the last cut (or the stretch's start), while more than CHUNK_CHARS remain
-    after it."""
+    after it. One findall cuts the whole text in C (_chunks_by_search is the same rule as a loop,
+    which the tests compare it with); the cuts too close to the end are joined back."""
+    pieces = _CHUNK_PIECES.findall(text)
+    ends = list(accumulate(map(len, pieces)))
+    keep = bisect_left(ends, len(text) - CHUNK_CHARS)  # cuts with more than CHUNK_CHARS after them
+    return pieces[:keep] + [text[ends[keep - 1]:]] if keep else [text]
+
+
+def _chunks_by_search(text: str) -> list[str]:
     search = _WORD_START.search
     limit = len(text) - CHUNK_CHARS
     chunks: list[str] = []
