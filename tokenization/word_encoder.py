@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from functools import reduce
-from operator import iadd
 
 import regex
 
@@ -69,15 +67,14 @@ class WordEncoder:
 
     def encode(self, text: str) -> list[int]:
         words = self._ascii_findall(text) if self._ascii_findall is not None and text.isascii() else self._findall(text)
-        found = list(map(self._words.get, words))  # the lookups and the join in C: no bytecode a word
-        index = -1
-        try:
-            while True:  # the words not known yet (a few: a number, a name), found by C scans
-                index = found.index(None, index + 1)
-                found[index] = self._learn(words[index])
-        except ValueError:
-            pass
-        return reduce(iadd, found, [])  # list += list in C, ~3x chain.from_iterable's speed
+        get = self._words.get
+        ids: list[int] = []
+        for word in words:
+            found = get(word)
+            if found is None:
+                found = self._learn(word)
+            ids += found
+        return ids
 
     def _learn(self, word: str) -> list[int]:
         ids = self.tokenizer.encode(word, add_special_tokens=False).ids
