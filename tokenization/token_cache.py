@@ -33,10 +33,8 @@ import re
 import threading
 import weakref
 from bisect import bisect_left
-from collections import OrderedDict, deque
-from functools import reduce
-from itertools import accumulate, compress, repeat
-from operator import iadd
+from collections import OrderedDict
+from itertools import accumulate
 
 import structlog
 
@@ -72,7 +70,6 @@ class TokenCache:
         self._lock = threading.Lock()
         config = tokenizer_config(bundle.tokenizer)  # parsed once: a large vocabulary's JSON takes a while
         self._splitter, self._special_ids = _added_token_splitter(config)
-        self._special_keys = {text: (token_id,) for text, token_id in self._special_ids.items()}  # lookup's keys
         self._checks_left = CHECKED_ENCODES if self._splitter is not None else 0
         if self._splitter is not None and not self._probe():
             self._splitter = None
@@ -101,38 +98,36 @@ class TokenCache:
         if not split:
             keys: list = [text]
         else:
-            # A piece's text, or an added token's ID as a 1-tuple (its own "cached IDs"): split()
-            # puts the captured added tokens at the odd places; empty texts are left out. In C but
-            # for the stretches long enough to cache in chunks.
-            parts = splitter.split(text)
-            parts[1::2] = map(self._special_keys.__getitem__, parts[1::2])
-            keys = list(filter(None, parts))
-            if self._chunks and max(map(len, keys), default=0) > 2 * CHUNK_CHARS:
-                keys = [chunk for piece in keys
-                        for chunk in (_chunks(piece) if len(piece) > 2 * CHUNK_CHARS else (piece,))]
+            keys = []  # a piece's text, or an added token's ID
+            special = self._special_ids
+            for index, piece in enumerate(splitter.split(text)):
+                if index & 1:  # the captured added token
+                    keys.append(special[piece])
+                elif not piece:
+                    continue
+                elif not self._chunks or len(piece) <= 2 * CHUNK_CHARS:
+                    keys.append(piece)
+                else:
+                    keys += _chunks(piece)
+        found: list = []
         misses: list[str] = []
         pieces = self._pieces
         get, touch = pieces.get, pieces.move_to_end
+        hits = 0
         with self._lock:
-            # Each key's cached IDs (a tuple), else the key itself: an added token's (its 1-tuple,
-            # which is what `found` holds for it) or a missing text (a str). In C for every key.
-            found = list(map(get, keys, keys))
-            if str not in map(type, found):  # all cached (a repeated prompt, a conversation's turns)
-                texts = list(compress(keys, map(isinstance, keys, repeat(str))))
-                deque(map(touch, texts), maxlen=0)  # each hit is the most recently used
-                self.hits += len(texts)
-            else:
-                hits = 0
-                for index, key in enumerate(keys):
-                    if key.__class__ is not str:
-                        continue  # an added token
-                    if found[index] is key:
-                        found[index] = None
-                        misses.append(key)
-                    else:
-                        touch(key)
-                        hits += 1
-                self.hits += hits
+            for key in keys:
+                if key.__class__ is int:
+                    found.append(key)
+                    continue
+                cached = get(key)
+                if cached is None:
+                    found.append(None)
+                    misses.append(key)
+                else:
+                    touch(key)
+                    hits += 1
+                    found.append(cached)
+            self.hits += hits
         return Lookup(text, found, misses, split)
 
     def finish(self, lookup: "Lookup", add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
@@ -158,13 +153,16 @@ class TokenCache:
         found = lookup.found
         if len(found) == 1 and encoded:
             ids = encoded[0]
-        elif not misses:
-            ids = reduce(iadd, found, [])  # every piece's IDs a tuple: joined in C (3x chain's speed)
         else:
             ids = []
             fresh = iter(encoded)
             for item in found:
-                ids += next(fresh) if item is None else item
+                if item is None:
+                    ids += next(fresh)
+                elif item.__class__ is int:
+                    ids.append(item)
+                else:
+                    ids += item
         if lookup.split and self._checks_left:
             self._check(lookup.text, ids)
         if add_special_tokens and self.bundle.add_bos:
@@ -180,16 +178,7 @@ class TokenCache:
                 self.misses += 1
                 if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
                     continue
-                # Each ID as the shared int object (8 bytes a token, not a new int's 32); the map
-                # runs in C, and only IDs outside the table (none from a well-formed vocabulary)
-                # take the per-token path.
-                try:
-                    stored = tuple(map(shared.__getitem__, ids)) if not ids or min(ids) >= 0 else None
-                except IndexError:
-                    stored = None
-                if stored is None:
-                    stored = tuple([shared[i] if 0 <= i < size else i for i in ids])
-                pieces[text] = stored
+                stored = pieces[text] = tuple([shared[i] if 0 <= i < size else i for i in ids])
                 self._tokens += len(stored)
                 while self._tokens > self.max_tokens:
                     _, old = pieces.popitem(last=False)
@@ -245,7 +234,7 @@ class TokenCache:
 
 class Lookup:
     """A text as TokenCache.lookup left it: per piece its cached IDs (a tuple), an added token's
-    ID (a 1-tuple), or None (missing: `misses` holds those pieces' texts; plain text between added tokens
+    ID, or None (missing: `misses` holds those pieces' texts; plain text between added tokens
     when the text was split)."""
     __slots__ = ("text", "found", "misses", "split", "missing_chars")
 
