@@ -163,12 +163,30 @@ def test_remembered_ids_are_the_vocabularys_shared_ints_and_ids_past_it_are_kept
     assert all(a is b for a, b in zip(cache._pieces["plain"], (cache._ints[5], cache._ints[300], cache._ints[size - 1])))
 
 
+def _chunks_by_search(text: str) -> list[str]:
+    """The chunking rule as a loop: the first word start at least CHUNK_CHARS after the last cut,
+    while more than CHUNK_CHARS remain after it."""
+    from tokenization.token_cache import _WORD_START, CHUNK_CHARS
+
+    limit = len(text) - CHUNK_CHARS
+    chunks: list[str] = []
+    start, at = 0, CHUNK_CHARS
+    while at < limit:
+        match = _WORD_START.search(text, at)
+        if match is None or match.start() >= limit:
+            break
+        chunks.append(text[start:match.start()])
+        start, at = match.start(), match.start() + CHUNK_CHARS
+    chunks.append(text[start:])
+    return chunks
+
+
 def test_long_stretches_are_cut_where_the_search_loop_cuts_them():
     """_chunks cuts a stretch with one findall; _chunks_by_search is the rule as a loop (the first
     word start at least CHUNK_CHARS after the last cut, while more than CHUNK_CHARS remain): both
     give the same chunks on random text of every size around the limits, and the chunks are the
     whole text."""
-    from tokenization.token_cache import CHUNK_CHARS, _chunks, _chunks_by_search
+    from tokenization.token_cache import CHUNK_CHARS, _chunks
 
     rng = random.Random(11)
     alphabet = ["a", "Z", "é", "漢", " ", "  ", "\n", "1", "_", "-", "x y", " q", "\t", "🙂"]

@@ -249,30 +249,12 @@ class Lookup:
 def _chunks(text: str) -> list[str]:
     """A long stretch cut into its cached chunks: each cut at the first word start at least
     CHUNK_CHARS after the last cut (or the stretch's start), while more than CHUNK_CHARS remain
-    after it. One findall cuts the whole text in C (_chunks_by_search is the same rule as a loop,
-    which the tests compare it with); the cuts too close to the end are joined back."""
+    after it. One findall cuts the whole text in C (tests/test_token_cache.py compares it with the
+    rule as a search loop); the cuts too close to the end are joined back."""
     pieces = _CHUNK_PIECES.findall(text)
     ends = list(accumulate(map(len, pieces)))
     keep = bisect_left(ends, len(text) - CHUNK_CHARS)  # cuts with more than CHUNK_CHARS after them
     return pieces[:keep] + [text[ends[keep - 1]:]] if keep else [text]
-
-
-def _chunks_by_search(text: str) -> list[str]:
-    search = _WORD_START.search
-    limit = len(text) - CHUNK_CHARS
-    chunks: list[str] = []
-    start, at = 0, CHUNK_CHARS
-    while at < limit:
-        match = search(text, at)
-        if match is None:
-            break
-        cut = match.start()
-        if cut >= limit:
-            break
-        chunks.append(text[start:cut])
-        start, at = cut, cut + CHUNK_CHARS
-    chunks.append(text[start:])
-    return chunks
 
 
 def _added_token_splitter(config: dict) -> tuple[re.Pattern | None, dict[str, int]]:
