@@ -121,15 +121,11 @@ class ReplicaHealth:
     def on_request(self, ok: bool, now_s: float, reason: str | None = None, fatal: bool = False) -> str | None:
         """A request outcome that says something about the replica (connection failure, timeout,
         5xx; not a client's 4xx). `fatal`: a refused connection, which ejects at once."""
-        self._seen(not ok and fatal)
-        outcomes = self._outcomes
-        outcomes.append((now_s, ok))
-        horizon = now_s - self.policy.error_window_s
-        while outcomes and outcomes[0][0] < horizon:
-            outcomes.popleft()
         if ok:
-            self._req_fail = 0
+            self.succeeded(now_s)
             return None
+        self._seen(fatal)
+        outcomes = self._counted(now_s, False)
         self._req_fail += 1
         if self.state not in (HEALTHY, PROBING):
             return None
@@ -139,6 +135,23 @@ class ReplicaHealth:
                 and failures / len(outcomes) >= self.policy.eject_error_rate):
             return self._eject(now_s, reason or "requests failing")
         return None
+
+    def succeeded(self, now_s: float) -> None:
+        """on_request for a success (every answered request): it is counted in the window and ends
+        a run of failures; it changes no state."""
+        if self.gone:
+            self._seen(False)
+        self._counted(now_s, True)
+        self._req_fail = 0
+
+    def _counted(self, now_s: float, ok: bool) -> deque:
+        """The outcomes in the error window, this one added."""
+        outcomes = self._outcomes
+        outcomes.append((now_s, ok))
+        horizon = now_s - self.policy.error_window_s
+        while outcomes and outcomes[0][0] < horizon:
+            outcomes.popleft()
+        return outcomes
 
     def _eject(self, now_s: float, reason: str) -> str | None:
         # Back again soon after its last return: it flaps; each such ejection lasts twice as long.

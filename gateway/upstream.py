@@ -223,9 +223,11 @@ class ReplicaPool:
     def report(self, replica: ReplicaState, ok: bool, reason: str | None = None, fatal: bool = False) -> None:
         """What a request saw of a replica (passive health): a failure may eject it; `fatal` (a
         refused connection) ejects it at once."""
-        if not ok:
-            replica.last_error = reason
-            replica.poke.set()  # probe it now rather than at the next interval
+        if ok:
+            replica.health.succeeded(time.monotonic())
+            return
+        replica.last_error = reason
+        replica.poke.set()  # probe it now rather than at the next interval
         self._transition(replica, replica.health.on_request(ok, time.monotonic(), reason, fatal))
 
     def drain(self, name: str) -> bool:

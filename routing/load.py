@@ -111,12 +111,6 @@ class LoadEstimate:
     scraped_fresh: bool
 
 
-def _backlog_left(load: ReplicaLoad, now: float, tokens_per_s: float) -> float:
-    """The backlog as it stands at `now`: what it was at backlog_at, less the prefill since."""
-    elapsed = now - load.backlog_at
-    return max(load.backlog_tokens - elapsed * tokens_per_s, 0.0) if elapsed > 0 else load.backlog_tokens
-
-
 class LoadTracker:
     def __init__(self, model: LoadModel | None = None, clock=time.monotonic) -> None:
         self.model = model or LoadModel()
@@ -163,11 +157,11 @@ class LoadTracker:
                   block_hashes: Sequence[int] = ()) -> int:
         """Count a request routed to `replica`; returns the ticket on_finished takes back.
         `block_hashes`: the prompt's, remembered while it runs (see running_prefix)."""
-        load = self._get(replica)
+        load = self.replicas.get(replica) or self._get(replica)
         load.waiting += 1
         load.routed += 1
         self.own_total += 1
-        uncached = max(prompt_tokens - cached_tokens, 0)
+        uncached = prompt_tokens - cached_tokens if prompt_tokens > cached_tokens else 0
         load.pending_prefill_tokens += uncached
         self._drain(load)
         load.backlog_tokens += uncached
@@ -178,14 +172,17 @@ class LoadTracker:
 
     def on_first_token(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """Same arguments as on_routed (the gateway passes what it predicted then)."""
-        load = self._get(replica)
+        load = self.replicas.get(replica) or self._get(replica)
         if load.waiting:
             load.waiting -= 1  # and decoding += 1 below: own_total stays
         else:
             self.own_total += 1  # decoding without having been counted as waiting
-        load.pending_prefill_tokens = max(load.pending_prefill_tokens - max(prompt_tokens - cached_tokens, 0), 0)
+        if prompt_tokens > cached_tokens:
+            pending = load.pending_prefill_tokens - (prompt_tokens - cached_tokens)
+            load.pending_prefill_tokens = pending if pending > 0 else 0
         self._drain(load)
-        load.backlog_tokens = min(load.backlog_tokens, load.pending_prefill_tokens)
+        if load.backlog_tokens > load.pending_prefill_tokens:
+            load.backlog_tokens = load.pending_prefill_tokens
         load.decoding += 1
         load.decoding_context_tokens += prompt_tokens
 
@@ -193,21 +190,25 @@ class LoadTracker:
                     started_decoding: bool = True, ticket: int | None = None) -> None:
         """Request over (done, failed or cancelled); started_decoding: on_first_token was called;
         ticket: what on_routed returned."""
-        load = self._get(replica)
+        load = self.replicas.get(replica) or self._get(replica)
         if not started_decoding:
             self.on_first_token(replica, prompt_tokens, cached_tokens)
         if load.decoding:
             load.decoding -= 1
             self.own_total -= 1
-        load.decoding_context_tokens = max(load.decoding_context_tokens - prompt_tokens, 0)
+        context = load.decoding_context_tokens - prompt_tokens
+        load.decoding_context_tokens = context if context > 0 else 0
         if ticket is not None:
             load.running_prompts.pop(ticket, None)
 
     def _drain(self, load: ReplicaLoad) -> None:
-        """Fold the prefill done since backlog_at into the backlog (at the replica's rate)."""
+        """Fold the prefill done since backlog_at into the backlog (at the replica's rate): what
+        it was then, less what the replica prefilled since, never below 0."""
         now = self.clock()
-        if now > load.backlog_at:
-            load.backlog_tokens = _backlog_left(load, now, self._rate(load))
+        at = load.backlog_at
+        if now > at:
+            left = load.backlog_tokens - (now - at) * (load.prefill_tokens_per_s or self.model.prefill_tokens_per_s)
+            load.backlog_tokens = left if left > 0.0 else 0.0
             load.backlog_at = now
 
     def own_in_flight(self, replica: str) -> int:
@@ -294,7 +295,7 @@ class LoadTracker:
             load = get(replica) or self._get(replica)
             tokens_per_s = load.prefill_tokens_per_s or configured_rate
             pending_tokens = load.pending_prefill_tokens
-            if pending_tokens:  # _backlog_left, inline (a call a candidate on every decision)
+            if pending_tokens:  # what _drain would leave of the backlog, inline (no call a candidate)
                 elapsed = now - load.backlog_at
                 left = load.backlog_tokens - elapsed * tokens_per_s if elapsed > 0 else load.backlog_tokens
                 if left < pending_tokens:
