@@ -109,7 +109,12 @@ class UpstreamClient:
                 conn = await self._connect(origin, deadline)
             try:
                 conn.send(head, body)
-                await conn.head_arrived(deadline)
+                while conn._state == _HEAD:  # until the answer's head is in (often its whole body too)
+                    if conn.error is not None:
+                        raise conn.error
+                    if conn.lost:
+                        raise Disconnected("connection closed by the replica")
+                    await conn._wait(deadline)
             except Disconnected:
                 conn.close()
                 if reused and not conn.got_bytes:
@@ -215,8 +220,15 @@ class Response:
         return await self._conn.read_some(deadline)
 
     async def read(self, deadline: float | None = None) -> bytes:
+        """The whole body (waits for the rest of it)."""
+        conn = self._conn
+        if conn._state == _DONE and conn.error is None and not conn._paused:  # all of it is here: no wait
+            body = conn._body
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            return data
         parts = []
-        while data := await self._conn.read_some(deadline):
+        while data := await conn.read_some(deadline):
             parts.append(data)
         return b"".join(parts)
 
@@ -361,14 +373,6 @@ class _Connection(asyncio.Protocol):
                 transport.writelines((head, body))
         except RuntimeError as exc:  # uvloop: the handle closed under us (the replica died just now)
             raise Disconnected(f"connection closed by the replica: {exc}") from None
-
-    async def head_arrived(self, deadline: float | None) -> None:
-        while self._state == _HEAD:
-            if self.error is not None:
-                raise self.error
-            if self.lost:
-                raise Disconnected("connection closed by the replica")
-            await self._wait(deadline)
 
     async def read_some(self, deadline: float | None) -> bytes:
         while not self._body:
