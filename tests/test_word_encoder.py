@@ -1,7 +1,7 @@
-"""Word-by-word encoding (tokenization/word_encoder.py) gives exactly the tokenizer's own IDs, for
-the tiny model's GPT-2-style split and for the Llama 3 / Qwen 2 splits GGUF models carry, on text
-with every kind of character the splits treat differently; tokenizers whose pre-tokenization is
-anything else get no word encoder."""
+"""Word-by-word encoding (tokenization/word_encoder.py), new words tokenized by the BPE model alone,
+gives exactly the tokenizer's own IDs, for the tiny model's GPT-2-style split and for the Llama 3 /
+Qwen 2 splits GGUF models carry, on text with every kind of character the splits treat
+differently; tokenizers whose pre-tokenization is anything else get no word encoder."""
 from __future__ import annotations
 
 import json
@@ -47,6 +47,7 @@ def test_word_by_word_ids_are_the_tokenizers_own(split):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
     encoder = WordEncoder.for_tokenizer(tokenizer)
     assert encoder is not None
+    assert encoder._tokenize is not None  # new words go to the BPE model alone: that is what is checked
     for text in texts(seed=len(split)):
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
 

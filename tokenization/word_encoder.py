@@ -6,11 +6,14 @@ character on a 2-core box, ~0.5 ms for a 2,000-character prompt, on the request 
 routing. Text is mostly the same few thousand words, and a byte-level BPE tokenizer encodes each
 pre-token (word) on its own: no merge crosses a word. So the text is split here with the same
 pattern (the `regex` module runs the GPT-2 / Llama 3 / Qwen patterns about 3x faster) and each
-word's IDs come from a dict; a new word is encoded by the tokenizer once.
+word's IDs come from a dict. A new word goes to the BPE model alone (`model.tokenize` of its
+byte-level characters, ~6 us), not through the tokenizer's whole encode (~15 us for one word: its
+pipeline, offsets and Encoding cost more than the word), and is remembered.
 
 Used only for a BPE model whose pre-tokenizer is exactly that split and nothing else (ByteLevel
-with its regex, or Split(pattern, isolated) then ByteLevel without one), no normalizer, and only
-after probe texts give the tokenizer's own pre-tokens and IDs. The token cache also compares its
+with its regex, or Split(pattern, isolated) then ByteLevel without one), no normalizer, no BPE
+dropout, and only after probe texts give the tokenizer's own pre-tokens (the byte-level characters
+included) and IDs. The token cache also compares its
 first real texts with whole encodes (tokenization/token_cache.py)."""
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import re
 import threading
 
 import regex
+import tokenizers
 
 # The pattern `tokenizers`' ByteLevel pre-tokenizer splits on when use_regex is true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -28,6 +32,28 @@ BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 _ASCII_SPACE = "\t\n\x0b\x0c\r "
 ASCII_BYTE_LEVEL_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^%s\x80-\uffffA-Za-z0-9]+"""
                             r"""|[%s]+(?![^%s])|[%s]+""") % ((_ASCII_SPACE,) * 4)
+
+def _byte_level_chars() -> list[str]:
+    """The character ByteLevel writes for each byte (GPT-2's bytes_to_unicode): printable Latin-1
+    bytes as themselves, the others as 256 onwards in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, shifted = [""] * 256, 256
+    for byte in range(256):
+        if byte in kept:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(shifted)
+            shifted += 1
+    return chars
+
+
+BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
+def byte_level(word: str) -> str:
+    """`word` as ByteLevel writes it (its UTF-8 bytes as BYTE_LEVEL_CHARS)."""
+    return "".join([BYTE_LEVEL_CHARS[byte] for byte in word.encode()])
+
 MAX_WORDS = 262_144    # words remembered; past it the cache starts over (a few tens of MB at most)
 MAX_WORD_CHARS = 256   # a longer word (a run of spaces, a base64 blob) is encoded, not remembered
 PROBE_TEXT = (  # what a split may treat differently: contractions, numbers, odd spaces, marks
@@ -50,6 +76,10 @@ class WordEncoder:
                 self._ascii_findall = ascii_findall
         self._words: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        model = tokenizer.model
+        # A new word's IDs from the model alone (see the module doc); the probes check it.
+        self._tokenize = (model.tokenize if isinstance(model, tokenizers.models.BPE) and not model.dropout
+                          else None)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, config: dict | None = None) -> "WordEncoder | None":
@@ -77,7 +107,10 @@ class WordEncoder:
         return ids
 
     def _learn(self, word: str) -> list[int]:
-        ids = self.tokenizer.encode(word, add_special_tokens=False).ids
+        if self._tokenize is not None:  # the word is one pre-token: its byte-level characters, tokenized
+            ids = [token.id for token in self._tokenize(byte_level(word))]
+        else:
+            ids = self.tokenizer.encode(word, add_special_tokens=False).ids
         if len(word) <= MAX_WORD_CHARS:
             with self._lock:
                 if len(self._words) >= MAX_WORDS:
@@ -90,9 +123,9 @@ class WordEncoder:
         words = self._findall(text)
         if "".join(words) != text:
             return False
-        # The tokenizer's pre-tokens come out byte-level mapped ("Ġ" for a space): compare lengths
-        # and IDs, which both encoders must give alike.
-        if len(pieces) != len(words):
+        # The tokenizer's pre-tokens come out byte-level mapped ("Ġ" for a space): what _learn
+        # hands the model for each word.
+        if pieces != [byte_level(word) for word in words]:
             return False
         return self.encode(text) == self.tokenizer.encode(text, add_special_tokens=False).ids
 
