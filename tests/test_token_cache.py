@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from replica.tiny import tiny_checkpoint_dir
 from tokenization import TokenizerBundle
-from tokenization.token_cache import TokenCache, token_cache
+from tokenization.token_cache import FRESH_COST, TokenCache, token_cache
 
 WORDS = ["fox", " dog", "  cache", "\n", "block\n\n", "é", "漢字", "🙂", " ", "<|im", "end|>", "12", "!?"]
 
@@ -78,11 +78,12 @@ def test_a_completions_prompt_extended_turn_by_turn_tokenizes_only_its_new_text(
     prompt = "System: you are a careful assistant. " * 20
     for turn in range(15):
         prompt += "".join(rng.choice(words) for _ in range(rng.randrange(20, 120)))
-        held = cache._tokens
+        held = sum(map(len, cache._pieces.values()))  # tokens remembered so far
         ids = cache.encode(prompt)
         assert ids == tiny.encode(prompt)
         if turn:  # it tokenized the new words and a chunk or two of the old, not the whole prompt
-            assert cache._tokens - held - (len(ids) - previous) < 0.3 * previous, "the old text was tokenized again"
+            added = sum(map(len, cache._pieces.values())) - held
+            assert added - (len(ids) - previous) < 0.3 * previous, "the old text was tokenized again"
         previous = len(ids)
 
 
@@ -150,16 +151,21 @@ def test_a_short_prompt_that_arrives_with_a_long_new_one_is_tokenized_first():
     assert asyncio.run(both()) == ["short", "long"]
 
 
-def test_remembered_ids_are_the_vocabularys_shared_ints_and_ids_past_it_are_kept_as_they_are():
-    """A remembered piece holds each ID as the table's one int object (memory: a shared pointer,
-    not a new int per token); an ID the table does not have (past the vocabulary, or negative)
-    is kept exactly, not looked up."""
+def test_a_piece_asked_again_holds_the_vocabularys_shared_ints_and_ids_past_it_as_they_are():
+    """A remembered piece is kept as the tokenizer gave it, counted FRESH_COST times against the
+    bound; asked again, it holds each ID as the table's one int object (memory: a shared pointer,
+    not an int per token) and counts once. An ID the table does not have (past the vocabulary, or
+    negative) is kept exactly, not looked up."""
     tiny = bundle()
     cache = TokenCache(tiny)
     size = len(cache._ints)
-    cache._remember(["plain", "odd", "negative"], [[5, 300, size - 1], [7, size, size + 9], [-1, 3]])
-    assert [list(cache._pieces[t]) for t in ("plain", "odd", "negative")] == \
-        [[5, 300, size - 1], [7, size, size + 9], [-1, 3]]
+    fresh = [[5, 300, size - 1], [7, size, size + 9], [-1, 3]]
+    texts = ["plain", "odd", "negative"]
+    cache._remember(texts, [ids[:] for ids in fresh])
+    assert cache._tokens == 8 * FRESH_COST
+    assert [cache.encode(text, add_special_tokens=False) for text in texts] == fresh  # asked again
+    assert [cache._pieces[text] for text in texts] == [tuple(ids) for ids in fresh]
+    assert cache._tokens == 8
     assert all(a is b for a, b in zip(cache._pieces["plain"], (cache._ints[5], cache._ints[300], cache._ints[size - 1])))
 
 

@@ -45,6 +45,7 @@ log = structlog.get_logger("kvgate.tokenization")
 
 MAX_CACHED_TOKENS = 4_000_000   # ~32 MB: a pointer a token (plus the text keys; the int objects are shared)
 MAX_PIECE_CHARS = 1 << 20       # a longer piece is encoded, not remembered
+FRESH_COST = 5                  # a token of a piece not asked for again yet, against the bound (see TokenCache)
 CHECKED_ENCODES = 32            # real texts also encoded whole and compared, per bundle
 CHUNK_CHARS = 256               # a stretch longer than twice this is cached in chunks of about this
 _PROBES = ("hello", " leading space", "two  spaces\n\nnewlines\n", "unicode: é 漢字 🙂", "x" * 40, "\n", " ")
@@ -63,10 +64,14 @@ class TokenCache:
         self.max_tokens = max_tokens
         # A piece's IDs as a tuple of the vocabulary's own int objects (one per ID, made once): a hit
         # copies pointers into the request's list (~1.5 ns a token) where an int32 array made a
-        # new int per token (~15 ns), at 8 bytes a token instead of 4.
-        self._pieces: OrderedDict[str, tuple] = OrderedDict()
+        # new int per token (~15 ns), at 8 bytes a token instead of 4. A piece is first kept as a
+        # list of the tokenizer's own ints (a C copy, where mapping each ID to the shared one is
+        # ~70 ns a token) and counted FRESH_COST times in the bound (an int object of its own is
+        # 28 bytes, its pointer 8): unique prompts, never asked again, skip that work; a piece
+        # asked again becomes a tuple of the shared ints (lookup) and counts once.
+        self._pieces: OrderedDict[str, tuple | list] = OrderedDict()
         self._ints = list(range(bundle.vocab_size))
-        self._tokens = 0
+        self._tokens = 0  # what the pieces held count against max_tokens
         self._lock = threading.Lock()
         config = tokenizer_config(bundle.tokenizer)  # parsed once: a large vocabulary's JSON takes a while
         self._splitter, self._special_ids = _added_token_splitter(config)
@@ -126,6 +131,8 @@ class TokenCache:
                 else:
                     touch(key)
                     hits += 1
+                    if cached.__class__ is list:  # asked again: kept from now on as the shared ints
+                        cached = self._share(key, cached)
                     found.append(cached)
             self.hits += hits
         return Lookup(text, found, misses, split)
@@ -170,19 +177,25 @@ class TokenCache:
         return ids
 
     def _remember(self, misses: list[str], encoded: list[list[int]]) -> None:
-        shared = self._ints
-        size = len(shared)
         with self._lock:
             pieces = self._pieces
             for text, ids in zip(misses, encoded):
                 self.misses += 1
-                if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
+                if len(text) > MAX_PIECE_CHARS or len(ids) * FRESH_COST > self.max_tokens // 8 or text in pieces:
                     continue
-                stored = pieces[text] = tuple([shared[i] if 0 <= i < size else i for i in ids])
-                self._tokens += len(stored)
+                pieces[text] = ids[:]  # a copy: the caller's list becomes the request's
+                self._tokens += len(ids) * FRESH_COST
                 while self._tokens > self.max_tokens:
                     _, old = pieces.popitem(last=False)
-                    self._tokens -= len(old)
+                    self._tokens -= len(old) * FRESH_COST if old.__class__ is list else len(old)
+
+    def _share(self, text: str, ids: list[int]) -> tuple:
+        """A remembered piece asked for again, as a tuple of the shared ints (under the lock)."""
+        shared = self._ints
+        size = len(shared)
+        stored = self._pieces[text] = tuple([shared[i] if 0 <= i < size else i for i in ids])
+        self._tokens -= len(ids) * (FRESH_COST - 1)
+        return stored
 
     def _probe(self) -> bool:
         specials = list(self._special_ids)
