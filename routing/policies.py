@@ -21,7 +21,7 @@ from typing import Sequence
 
 import xxhash
 
-from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, decision_log, require_candidates
+from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
 
 
 def _loads(state: RoutingState, candidates: Sequence[str], now: float) -> dict[str, float]:
@@ -197,7 +197,10 @@ class CacheAwareDecision:
         return text + (f"; tie broken by {self._why}" if self._why else "")
 
     def as_log(self) -> dict:
-        return decision_log(self)
+        """decision_log's record, from the aligned lists (no dict of scores made to be rounded)."""
+        candidates = self.candidates
+        return routing_log(self.policy, self.reason, self.replica, candidates, dict(zip(candidates, self._matched)),
+                           dict(zip(candidates, self._loads)), candidates, self._scores, self.predicted_cached_tokens)
 
 
 class CacheAware:

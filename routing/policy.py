@@ -80,12 +80,21 @@ class RoutingDecision(msgspec.Struct, frozen=True):
 
 
 def decision_log(decision) -> dict:
-    """The `routing` field of a request record, for any decision with RoutingDecision's fields.
-    Scores to 6 decimals, as round(v, 6) gives them at half its cost."""
-    return {"policy": decision.policy, "reason": decision.reason, "chosen": decision.replica,
-            "candidates": list(decision.candidates), "matched_blocks": decision.matched_blocks,
-            "load": decision.load, "scores": {k: round(v * 1e6) / 1e6 for k, v in decision.scores.items()},
-            "predicted_cached_tokens": decision.predicted_cached_tokens}
+    """The `routing` field of a request record, for any decision with RoutingDecision's fields."""
+    scores = decision.scores
+    return routing_log(decision.policy, decision.reason, decision.replica, decision.candidates,
+                       decision.matched_blocks, decision.load, scores.keys(), scores.values(),
+                       decision.predicted_cached_tokens)
+
+
+def routing_log(policy: str, reason: str, chosen: str, candidates, matched_blocks: dict, load: dict,
+                scored, scores, predicted_cached_tokens: int) -> dict:
+    """The `routing` field's shape; `scores` (of the replicas `scored`) to 6 decimals, as
+    round(v, 6) gives them at half its cost."""
+    return {"policy": policy, "reason": reason, "chosen": chosen, "candidates": list(candidates),
+            "matched_blocks": matched_blocks, "load": load,
+            "scores": dict(zip(scored, [round(v * 1e6) / 1e6 for v in scores])),
+            "predicted_cached_tokens": predicted_cached_tokens}
 
 
 class RoutingState:
