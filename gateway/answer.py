@@ -110,14 +110,18 @@ class Answer(msgspec.Struct, eq=False):
     def _on_chunks(self, events: list[bytes], chunks: list[Chunk], now: float, out: list[bytes]) -> None:
         """The chunks of one read, in order: the record and the answer learn from each, and `out`
         gets each event as the client receives it (if it does). One loop for the read, not a call
-        per chunk: a stream's cost is mostly this, once per token."""
+        per chunk, with what stays the same across it in locals: a stream's cost is mostly this,
+        once per token."""
         record = self.record
         spec = self.spec
-        chat, stream, resumed = spec.chat, spec.stream, self._detok is not None
+        chat, stream, resumed, wants_usage = spec.chat, spec.stream, self._detok is not None, spec.wants_usage
+        keep = out.append if stream else None
         arrived: list[int] = []  # the read's token IDs in order (one record update for the read)
         arriving = 0              # how many events brought them
+        texts = self.texts
+        emitted = self.emitted_chars
         try:
-            for index, chunk in enumerate(chunks):
+            for event_bytes, chunk in zip(events, chunks):
                 rebuild = False  # the event holds something the client must not get as is
                 if chunk.error is not None or chunk.kv_transfer_stats is not None:
                     if chunk.error is not None:
@@ -138,13 +142,15 @@ class Answer(msgspec.Struct, eq=False):
                     if ids:
                         self.prompt_token_ids = _take_prompt_ids(record, ids)
                 if not choices:
-                    if usage is not None and not resumed and stream and spec.wants_usage:
-                        out.append(self._relayed(events[index], rebuild, drop_usage=False))
+                    if usage is not None and not resumed and stream and wants_usage:
+                        keep(self._relayed(event_bytes, rebuild, drop_usage=False))
                     continue
                 choice = choices[0]
                 token_ids = choice.token_ids
                 if resumed:
+                    self.emitted_chars = emitted
                     self._on_resumed_tokens(token_ids or (), choice, now, out)
+                    emitted = self.emitted_chars
                     continue
                 if token_ids:
                     arrived += token_ids
@@ -163,17 +169,19 @@ class Answer(msgspec.Struct, eq=False):
                         echoed = min(self._echo_left, len(text))
                         self._echo_left -= echoed
                         text = text[echoed:]
-                    self.texts.append(text)
-                    self.emitted_chars += len(text)
+                    texts.append(text)
+                    emitted += len(text)
                 if choice.finish_reason:
                     self.finish_reason = record.finish_reason = choice.finish_reason
                     self.stop_reason = choice.stop_reason
-                if not stream:
+                if keep is None:
                     continue
-                drop_usage = usage is not None and not spec.wants_usage
-                out.append(self._relayed(events[index], rebuild, drop_usage) if rebuild or drop_usage
-                           else events[index])
+                if rebuild or (usage is not None and not wants_usage):
+                    keep(self._relayed(event_bytes, rebuild, usage is not None and not wants_usage))
+                else:
+                    keep(event_bytes)
         finally:  # what came before an error too: a resumed try continues after it
+            self.emitted_chars = emitted
             if arrived:
                 record.tokens_arrived(arrived, now, arriving)
 
