@@ -118,6 +118,7 @@ class Proxy:
             metrics.pool_in_flight.labels(pool=role).set_function(lambda role=role: self._pool_in_flight(role))
         metrics.in_flight.source = self._replica_in_flight
         self.active = 0            # requests being handled (drain waits for 0)
+        self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _check_context
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
@@ -594,13 +595,18 @@ class Proxy:
             raise ModelNotFound(requested, known)
         return requested
 
-    @staticmethod
-    def _check_context(parsed: AnyRequest, prompt_ids: list[int], candidates: list[ReplicaState]) -> None:
+    def _check_context(self, parsed: AnyRequest, prompt_ids: list[int], candidates: tuple[ReplicaState, ...]) -> None:
         """vLLM's context rule against the smallest context among the candidates, before routing:
-        a request no replica could serve gets vLLM's 400 here, not after a round trip."""
-        lengths = [c.max_model_len for c in candidates if c.max_model_len]
-        if lengths:
-            fit_max_tokens(parsed, len(prompt_ids), min(lengths), None)
+        a request no replica could serve gets vLLM's 400 here, not after a round trip. The smallest
+        is kept with the pool's candidates tuple it came from (a new tuple when a replica's
+        max_model_len, models, tokenizer or health change)."""
+        if candidates is self._context_of[0]:
+            limit = self._context_of[1]
+        else:
+            limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
+            self._context_of = (candidates, limit)
+        if limit:
+            fit_max_tokens(parsed, len(prompt_ids), limit, None)
 
 
 def _with_token_ids(body: bytes) -> bytes | None:

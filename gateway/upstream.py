@@ -45,7 +45,7 @@ class ReplicaState:
         self.origin = Origin(self.base_url)   # where the proxy's client connects
         self.health = ReplicaHealth(policy, time.monotonic())
         self._models: list[str] = []
-        self.max_model_len: int | None = None
+        self._max_model_len: int | None = None
         self.default_max_tokens: int | None = None  # the replica's own default (its generation config)
         self._tokenizer: TokenizerBundle | None = None
         self.last_error: str | None = None
@@ -61,6 +61,15 @@ class ReplicaState:
     def models(self, models: list[str]) -> None:
         self._models = models
         CHANGES[0] += 1
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, length: int | None) -> None:
+        self._max_model_len = length
+        CHANGES[0] += 1  # the candidates' context limit (Proxy._check_context) is kept with them
 
     @property
     def tokenizer(self) -> TokenizerBundle | None:

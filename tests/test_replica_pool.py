@@ -1,6 +1,7 @@
 """The pool's candidates for a model (the replicas a request may be routed to) follow every change
 that decides them, though they are kept between changes: health (ejected, drained, back), a
-tokenizer lost or loaded, the models a replica serves, and the replica list on reload."""
+tokenizer lost or loaded, the models a replica serves (and their context length, which the proxy
+keeps with them), and the replica list on reload."""
 from __future__ import annotations
 
 from gateway.config import parse_config
@@ -37,6 +38,9 @@ def test_candidates_follow_health_tokenizers_models_and_reloads():
     pool.by_name["b"].tokenizer = object()
     pool.by_name["c"].models = ["other", "m"]  # its server also serves m
     assert names(pool, "m") == ["b", "c"]
+    kept = pool.candidates("m")
+    pool.by_name["c"].max_model_len = 2048  # the proxy keeps the context limit with the tuple
+    assert pool.candidates("m") is not kept and names(pool, "m") == ["b", "c"]
 
     pool.apply(parse_config(YAML.replace("  - {name: b, url: 'http://127.0.0.1:9002', model: m}\n", "")))
     assert names(pool, "m") == ["c"]  # b left with the reload; a is still ejected
