@@ -181,7 +181,7 @@ class TokenCache:
             pieces = self._pieces
             for text, ids in zip(misses, encoded):
                 self.misses += 1
-                if len(text) > MAX_PIECE_CHARS or len(ids) * FRESH_COST > self.max_tokens // 8 or text in pieces:
+                if len(text) > MAX_PIECE_CHARS or len(ids) > self.max_tokens // 8 or text in pieces:
                     continue
                 pieces[text] = ids[:]  # a copy: the caller's list becomes the request's
                 self._tokens += len(ids) * FRESH_COST
