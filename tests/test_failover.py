@@ -100,7 +100,7 @@ def kvgate_up(tmp_path, replicas: int = 2, policy: str = "round_robin"):
 
 def stream(url: str, path: str, body: dict, request_id: str, on_chunk=None) -> dict:
     """Read a streamed answer as an SSE client does: text, token IDs, usage, in-band error, [DONE]s."""
-    out = {"text": "", "ids": [], "usage": None, "error": None, "done": 0, "roles": 0}
+    out = {"text": "", "ids": [], "usage": None, "error": None, "done": 0, "roles": 0, "events": 0}
     with httpx.Client(timeout=TIMEOUT) as client:
         with client.stream("POST", url + path, json={**body, "stream": True},
                            headers={"x-request-id": request_id}) as response:
@@ -116,6 +116,7 @@ def stream(url: str, path: str, body: dict, request_id: str, on_chunk=None) -> d
                     out["error"] = chunk["error"]
                 out["usage"] = chunk.get("usage") or out["usage"]
                 for choice in chunk.get("choices") or []:
+                    out["events"] += 1
                     delta = choice.get("delta") or {}
                     out["roles"] += "role" in delta
                     out["text"] += delta.get("content") or choice.get("text") or ""
@@ -163,16 +164,30 @@ def test_a_stream_resumes_token_exactly_when_its_replica_dies_or_stalls(up, path
     assert failover["reason"] == "stalled" if fault == "stop" else failover["reason"].startswith("disconnected")
 
 
-def _stream_with_fault(up, path: str, fault: str) -> tuple[dict, list]:
+def test_a_stream_that_asks_for_no_token_ids_or_usage_resumes_token_exactly(up):
+    for _ in range(3):  # a client far behind its replica sees no fault to resume from: again (see above)
+        record, frozen = _stream_with_fault(up, "/v1/completions", "kill", plain=True)
+        if "failover" in record:
+            break
+    assert record["failover"][0]["replica"] == frozen[0][0]
+    assert record["completion_tokens"] == 160 and record["cached_tokens"] is not None  # the usage it did not ask for
+
+
+def _stream_with_fault(up, path: str, fault: str, plain: bool = False) -> tuple[dict, list]:
     """One streamed request whose replica is killed or stopped after 20 tokens: the client's answer
-    is checked against a reference; returns its record and the (replica, pid) faulted."""
+    is checked against a reference; returns its record and the (replica, pid) faulted. `plain`: the
+    client asks for neither token IDs nor usage (the gateway then sends the replica the client's
+    bytes with its own two fields spliced in, and builds the resumed try's body from them)."""
     up.wait_all_healthy()
     n = random.randrange(10**6)
     reference = answer(up.url, path, {**body_for(path, n), "stream": False}, f"ref-{fault}-{n}")
     frozen = []
+    body = body_for(path, n)
+    if plain:
+        del body["return_token_ids"], body["stream_options"]
 
     def inject(progress):
-        if len(progress["ids"]) >= 20 and not frozen:
+        if max(len(progress["ids"]), progress["events"]) >= 20 and not frozen:
             name = up.serving()
             pid = up.pid(name)
             os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -180,14 +195,17 @@ def _stream_with_fault(up, path: str, fault: str) -> tuple[dict, list]:
 
     request_id = f"resume-{fault}-{n}"
     try:
-        got = stream(up.url, path, body_for(path, n), request_id, inject)
+        got = stream(up.url, path, body, request_id, inject)
     finally:
         if fault == "stop" and frozen:
             os.kill(frozen[0][1], signal.SIGCONT)
     assert frozen, "the fault was never injected"
     assert got["error"] is None and got["done"] == 1 and got["roles"] <= 1
-    assert got["ids"] == reference["ids"] and got["text"] == reference["text"]  # nothing lost, nothing twice
-    assert got["usage"]["completion_tokens"] == 160 == len(got["ids"])
+    assert got["text"] == reference["text"]  # nothing lost, nothing twice
+    if plain:  # what it did not ask for, it does not get
+        assert got["ids"] == [] and got["usage"] is None
+    else:
+        assert got["ids"] == reference["ids"] and got["usage"]["completion_tokens"] == 160 == len(got["ids"])
     record = up.gateway.record(request_id)
     assert record["status"] == 200 and record["output_token_ids"] == reference["ids"]
     return record, frozen

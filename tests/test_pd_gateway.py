@@ -189,6 +189,9 @@ def test_the_gateway_speaks_vllm_and_sglang_pd_protocols_to_stand_ins(tmp_path):
             params = leg["kv_transfer_params"]  # what the prefill answered, passed on whole
             assert params["do_remote_prefill"] is True and params["remote_request_id"] == f"fake-req-{number}"
             assert params["remote_block_ids"] == [[1, 2, 3]] and leg["max_tokens"] == 4
+        # The streaming client asked for neither token IDs nor usage: its decode leg asks for both.
+        assert decode_legs[1]["return_token_ids"] is True and decode_legs[1]["stream"] is True
+        assert decode_legs[1]["stream_options"] == {"include_usage": True}
         # SGLang's prefill leg runs beside the decode leg and may land a moment after the answer.
         poll(lambda: len(records(seen["sp"])) == 2, "both SGLang prefill legs", server)
         sglang_prefill, sglang_decode = ([r["body"] for r in records(seen[name])] for name in ("sp", "sd"))
@@ -197,4 +200,5 @@ def test_the_gateway_speaks_vllm_and_sglang_pd_protocols_to_stand_ins(tmp_path):
             assert p_leg == d_leg  # SGLang: the same request to both, at once
             assert (p_leg["bootstrap_host"], p_leg["bootstrap_port"]) == ("127.0.0.1", bootstrap)
             assert 0 <= p_leg["bootstrap_room"] < 2**63
+        assert sglang_decode[1]["return_token_ids"] is True and sglang_decode[1]["stream_options"] == {"include_usage": True}
         assert sglang_prefill[0]["bootstrap_room"] != sglang_prefill[1]["bootstrap_room"]
