@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
+from operator import attrgetter
 
 import aiohttp
 import msgspec
@@ -37,6 +38,15 @@ def health_policy(section: HealthSection) -> HealthPolicy:
                         eject_max_s=section.eject_max_s)
 
 
+def _counted_field(attribute: str, doc: str) -> property:
+    """A ReplicaState field whose every change is counted in CHANGES (ReplicaPool.candidates is
+    kept until one); read in C (attrgetter), as often as every request."""
+    def change(self, value) -> None:
+        setattr(self, attribute, value)
+        CHANGES[0] += 1
+    return property(attrgetter(attribute), change, doc=doc)
+
+
 class ReplicaState:
     def __init__(self, spec: ReplicaSpec, policy: HealthPolicy) -> None:
         self.spec = spec
@@ -53,32 +63,10 @@ class ReplicaState:
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
 
     # What ReplicaPool.candidates depends on, besides health: each change is counted (CHANGES).
-    @property
-    def models(self) -> list[str]:
-        return self._models
-
-    @models.setter
-    def models(self, models: list[str]) -> None:
-        self._models = models
-        CHANGES[0] += 1
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self._max_model_len
-
-    @max_model_len.setter
-    def max_model_len(self, length: int | None) -> None:
-        self._max_model_len = length
-        CHANGES[0] += 1  # the candidates' context limit (Proxy._check_context) is kept with them
-
-    @property
-    def tokenizer(self) -> TokenizerBundle | None:
-        return self._tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, bundle: TokenizerBundle | None) -> None:
-        self._tokenizer = bundle
-        CHANGES[0] += 1
+    # max_model_len too: Proxy._check_context keeps the candidates' context limit with them.
+    models = _counted_field("_models", "Models the replica's server lists (its /v1/models).")
+    max_model_len = _counted_field("_max_model_len", "The smallest max_model_len it lists, if any.")
+    tokenizer = _counted_field("_tokenizer", "Its tokenizer bundle, once loaded.")
 
     @property
     def healthy(self) -> bool:

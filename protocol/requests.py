@@ -125,19 +125,15 @@ def check_common(request: SamplingFields) -> None:
         raise BadRequest("Only n=1 is supported.", param="n")
     if isinstance(request, CompletionRequest):
         prompt = request.prompt
-        if prompt.__class__ is not str:  # (a string needs only its emptiness checked)
-            if isinstance(prompt, list) and prompt:
-                kinds = {type(item) for item in prompt}
-                if len(kinds) != 1:
-                    raise BadRequest("`prompt` must be a string, a list of token IDs, or a one-element "
-                                     "list of either.", param="prompt")
-                if not isinstance(prompt[0], int) and len(prompt) != 1:
-                    raise BadRequest("Batched prompts are not supported: send one prompt per request.",
-                                     param="prompt")
-            empty = prompt == "" or prompt == [] or prompt == [[]]
-        else:
-            empty = not prompt
-        if empty:
+        if isinstance(prompt, list) and prompt:
+            kinds = {type(item) for item in prompt}
+            if len(kinds) != 1:
+                raise BadRequest("`prompt` must be a string, a list of token IDs, or a one-element "
+                                 "list of either.", param="prompt")
+            if not isinstance(prompt[0], int) and len(prompt) != 1:
+                raise BadRequest("Batched prompts are not supported: send one prompt per request.",
+                                 param="prompt")
+        if not prompt or prompt == [[]]:  # "", [] or [[]]
             raise BadRequest("`prompt` must not be empty.", param="prompt")
     stops = request.stop
     if stops is None:

@@ -8,13 +8,14 @@ pre-token (word) on its own: no merge crosses a word. So the text is split here 
 pattern (the `regex` module runs the GPT-2 / Llama 3 / Qwen patterns about 3x faster) and each
 word's IDs come from a dict. A new word goes to the BPE model alone (`model.tokenize` of its
 byte-level characters, ~6 us), not through the tokenizer's whole encode (~15 us for one word: its
-pipeline, offsets and Encoding cost more than the word), and is remembered.
+pipeline, offsets and Encoding cost more than the word), and is remembered; a model with BPE
+dropout gets the whole encode.
 
 Used only for a BPE model whose pre-tokenizer is exactly that split and nothing else (ByteLevel
-with its regex, or Split(pattern, isolated) then ByteLevel without one), no normalizer, no BPE
-dropout, and only after probe texts give the tokenizer's own pre-tokens (the byte-level characters
-included) and IDs. The token cache also compares its
-first real texts with whole encodes (tokenization/token_cache.py)."""
+with its regex, or Split(pattern, isolated) then ByteLevel without one), no normalizer, and only
+after probe texts give the tokenizer's own pre-tokens (their byte-level characters included) and
+IDs. The token cache also compares its first real texts with whole encodes
+(tokenization/token_cache.py)."""
 from __future__ import annotations
 
 import json
