@@ -477,7 +477,7 @@ class HotProtocol(asyncio.Protocol):
         if self._head is None:
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
-                if len(buffer) > 16384 or b"\r\n" not in buffer[:8192] and len(buffer) > 8192:
+                if len(buffer) > 16384 or buffer.find(b"\r\n", 0, 8192) < 0 and len(buffer) > 8192:
                     self._hand_over()  # a head this long is aiohttp's to refuse
                 elif self._timer_kind != "head":
                     self._expect("head", self._guard.limits.header_timeout_s)  # a head has begun

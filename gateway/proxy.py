@@ -615,7 +615,7 @@ def _with_token_ids(body: bytes) -> bytes | None:
     a string that looks like one) or the object is empty. Unescaped, `"return_token_ids"` cannot
     appear inside a JSON string (its quotes would be escaped), so a body without it has no such key
     spelt plainly; a key spelt with escapes decodes to a value, which sends the request the other way."""
-    if b'"return_token_ids"' in body:
+    if body.find(b'"return_token_ids"') >= 0:  # find, not `in` (see protocol/stream_chunks.py)
         return None
     end = body.rstrip()
     inner = end[:-1].rstrip()

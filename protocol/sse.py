@@ -22,9 +22,9 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         data = self._buffer + chunk if self._buffer else chunk
-        if b"\r" in data:  # CRLF framing (a CR held back at the end joins its LF next time)
+        if data.find(b"\r") >= 0:  # CRLF framing (a CR held back at the end joins its LF next time)
             data = data.replace(b"\r\n", b"\n")
-        if b"\n\n" not in data:
+        if data.find(b"\n\n") < 0:
             self._buffer = data
             return []
         *events, self._buffer = data.split(b"\n\n")

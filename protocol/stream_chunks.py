@@ -87,7 +87,7 @@ def decode_events(events: list[bytes]) -> tuple[list[bytes], list[Chunk]]:
     joined = b"\n\n".join(events)
     if joined.startswith(b"data: "):
         array = joined[6:].replace(b"\n\ndata: ", b",")
-        if b"\n" not in array:  # every line break was a `data: ` event's start: one line each
+        if array.find(b"\n") < 0:  # every line break was a `data: ` event's start: one line each
             try:
                 return events, _batch_decoder.decode(b"[" + array + b"]")
             except msgspec.DecodeError:
@@ -125,7 +125,9 @@ FIND_ABOVE_BYTES = 4096
 
 
 def strip_token_ids(payload: bytes) -> bytes:
-    if b'token_ids"' not in payload:
+    # bytes.find, not `in`: `in` first tries its operand as an int, which formats a TypeError
+    # and throws it away (~2,000 instructions) before it searches.
+    if payload.find(b'token_ids"') < 0:
         return payload
     if _native_strip is not None and NATIVE:  # _COMPACT_TOKEN_IDS's cut, by a scan for the key
         payload = _native_strip(payload, True)
@@ -133,7 +135,7 @@ def strip_token_ids(payload: bytes) -> bytes:
         payload = _COMPACT_TOKEN_IDS.sub(b"", payload)
     else:
         payload = _strip_compact(payload, b'token_ids":')
-    return _TOKEN_IDS.sub(b"", payload) if b'token_ids"' in payload else payload
+    return _TOKEN_IDS.sub(b"", payload) if payload.find(b'token_ids"') >= 0 else payload
 
 
 def strip_prompt_token_ids(payload: bytes) -> bytes:
