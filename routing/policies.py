@@ -144,6 +144,7 @@ BRANCH_SHARED = 1
 BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
+_REBASE_HALVINGS = 64  # turnover's weights start again from 1 past 2 ** this (far from a float's range)
 
 
 class CacheAwareDecision:
@@ -270,10 +271,11 @@ class CacheAware:
         self._branch_points: OrderedDict[int, int] = OrderedDict()
         self.learn_from_routing = learn_from_routing  # approximate mode: a routed prompt is assumed cached there
         self._name_hash: dict[str, int] = {}
-        # replica -> (the table's blocks-written count when last asked, new blocks decayed to `at`, at):
-        # how fast its cache turns over
+        # replica -> [the table's blocks-written count when last asked, its new blocks, each weighted
+        # 2 ** ((when it was seen - _turnover_origin) / half life)]: how fast its cache turns over
         self.turnover_half_life_s = turnover_half_life_s
-        self._new_blocks: dict[str, tuple[int, float, float]] = {}
+        self._new_blocks: dict[str, list] = {}
+        self._turnover_origin: float | None = None
         self._turn = 0  # turns for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
@@ -332,18 +334,24 @@ class CacheAware:
         why = ""
         chosen = tied[0]
         if len(tied) > 1:
-            own_block = int(hashes[min(max(matched), n_blocks - 1)]) if n_blocks else None
-            chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks)
+            own_block = int(hashes[min(deepest, n_blocks - 1)]) if n_blocks else None
+            # Tied replicas that all hold the whole prompt take in nothing new from it: where
+            # their caches have room or turn over slowest does not matter, its hash decides.
+            holding = n_blocks and min(matched if len(tied) == len(matched) else [matched[i] for i in tied]) == n_blocks
+            chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
         decision = CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
                                       allowed, why, self.balance_factor, table, hashes, shared_prefix)
         decision.loads_and_delays = (now, loads, delays)
         return decision
 
-    def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int) -> tuple[int, str]:
-        """Among equally scored candidates: least loaded, then emptiest cache, then a rendezvous
-        hash of the prompt's own first block (a new prefix lands on a stable, spread-out replica). A step whose
-        values are all equal (the common case: an idle pool) costs a min and a max, no list."""
+    def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int,
+                   holding: bool = False) -> tuple[int, str]:
+        """Among equally scored candidates: least loaded, then emptiest cache, then slowest cache
+        turnover, then a rendezvous hash of the prompt's own first block (a new prefix lands on a
+        stable, spread-out replica). `holding`: every tied candidate holds the whole prompt (no
+        cache takes in anything new): the cache steps are skipped. A step whose values are all
+        equal (the common case: an idle pool) costs a min and a max, no list."""
         everyone = len(tied) == len(candidates)  # then tied is range(len(candidates)) in order
         values = loads if everyone else [loads[i] for i in tied]
         low = min(values)
@@ -353,14 +361,30 @@ class CacheAware:
                 return tied[0], "least load"
             everyone = False
         names = candidates if everyone else [candidates[i] for i in tied]
+        if not holding:
+            tied, names, why = self._by_cache(candidates, tied, names, table, n_blocks)
+            if why:
+                return tied[0], why
+        if own_block is None:  # a prompt shorter than a block caches nothing: take turns
+            self._turn += 1
+            return tied[self._turn % len(tied)], "rotation"
+        # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
+        # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
+        key = own_block & _MASK32
+        get, learn = self._name_hash.get, self._hash_name
+        ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
+        return tied[ranks.index(min(ranks))], "prefix hash"
+
+    def _by_cache(self, candidates, tied: list[int], names, table, n_blocks: int) -> tuple[list[int], list, str]:
+        """_break_tie's cache steps: (tied, their names, the reason when one is left, else "")."""
         values = table.fills(names)
         low = min(values)
         # A clearly emptier cache: by more than part of this prompt (small differences are noise).
-        tolerance = max(FILL_TOLERANCE_PROMPTS * n_blocks, 1) / min(map(table.capacity, names))
+        tolerance = max(FILL_TOLERANCE_PROMPTS * n_blocks, 1) / min(table.capacities(names))
         if low < FILL_SPREAD_BELOW and max(values) > low + tolerance:
             tied = [i for i, fill in zip(tied, values) if fill <= low + tolerance]
             if len(tied) == 1:
-                return tied[0], "emptiest cache"
+                return tied, names, "emptiest cache"
             names = [candidates[i] for i in tied]
         # Then where the fewest new blocks went of late: while caches fill, the emptiest to the
         # block; once they are full, what each takes in it evicts. No tolerance: the chosen
@@ -373,32 +397,38 @@ class CacheAware:
             if max(values) > low:
                 tied = [i for i, share in zip(tied, values) if share == low]
                 if len(tied) == 1:
-                    return tied[0], "slowest cache turnover"
+                    return tied, names, "slowest cache turnover"
                 names = [candidates[i] for i in tied]
-        if own_block is None:  # a prompt shorter than a block caches nothing: take turns
-            self._turn += 1
-            return tied[self._turn % len(tied)], "rotation"
-        # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
-        # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
-        key = own_block & _MASK32
-        get, learn = self._name_hash.get, self._hash_name
-        ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
-        return tied[ranks.index(min(ranks))], "prefix hash"
+        return tied, names, ""
 
     def turnover(self, names: Sequence[str], table) -> list[float]:
         """Blocks new to each replica's cache of late (the table's count of blocks written for it,
-        decayed with turnover_half_life_s), per block of its capacity. A memo, brought up to date
-        for every replica of the table when asked (a tie among new content: most new requests);
-        what was written since the last ask counts as written now."""
+        decayed with turnover_half_life_s), per block of its capacity, all times one common factor
+        (only their order and ties are used): a block seen at t weighs 2 ** (t / half life) rather
+        than every sum being decayed to now, which is the same ratio between replicas. Brought up
+        to date for every replica of the table when asked (a tie among new content: most new
+        requests); what was written since the last ask counts as written now."""
         now = self.state.clock()
-        half_life_s = self.turnover_half_life_s
+        origin = self._turnover_origin
+        if origin is None:
+            origin = self._turnover_origin = now
+        halvings = (now - origin) / self.turnover_half_life_s
         seen = self._new_blocks
+        if halvings > _REBASE_HALVINGS:  # every ~20 min at the default half life: the sums start again from now
+            scale = 2.0 ** -halvings if halvings < 1000 else 0.0
+            for entry in seen.values():
+                entry[1] *= scale
+            self._turnover_origin, halvings = now, 0.0
+        weight = 2.0 ** halvings
         replicas = table.replicas()
         for name, written in zip(replicas, table.written(replicas)):
-            last_written, blocks, at = seen.get(name) or (0, 0.0, now)
-            fresh = written - last_written if written >= last_written else written  # re-added: counts anew
-            seen[name] = (written, blocks * 0.5 ** ((now - at) / half_life_s) + fresh, now)
-        return [seen[name][1] / table.capacity(name) for name in names]
+            entry = seen.get(name)
+            if entry is None:
+                seen[name] = [written, written * weight]  # what it holds already counts as new now
+            elif written != entry[0]:
+                entry[1] += (written - entry[0] if written > entry[0] else written) * weight  # re-added: counts anew
+                entry[0] = written
+        return [seen[name][1] / capacity for name, capacity in zip(names, table.capacities(names))]
 
     def _hash_name(self, name: str) -> int:
         h = self._name_hash[name] = xxhash.xxh32_intdigest(name.encode()) or 1

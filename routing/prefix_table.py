@@ -188,6 +188,11 @@ class PrefixTable:
     def capacity(self, replica: str) -> int:
         return len(self._rings[replica].hashes)
 
+    def capacities(self, replicas: Sequence[str]) -> list[int]:
+        """capacity() of each replica, in one call."""
+        capacities = self._capacities
+        return [capacities[name] for name in replicas]
+
     def has_replica(self, replica: str) -> bool:
         return replica in self._index
 

@@ -149,6 +149,34 @@ def test_new_prefix_ties_break_by_prefix_hash_not_config_order():
     assert len(chosen) >= 3
 
 
+def test_a_prompt_every_tied_replica_holds_whole_goes_by_its_hash_and_new_content_to_the_emptiest():
+    """Cache room decides where new content goes; a prompt that every tied replica already holds
+    whole brings none, so its hash decides (stable under candidate order), not which cache is emptier."""
+    state = _state(REPLICAS)
+    table = state.table("m")
+    for i, name in enumerate(REPLICAS[:3]):  # r3's cache clearly the emptiest
+        table.insert(name, block_hashes(list(range(50_000 + i * 10_000, 50_000 + i * 10_000 + 16 * 600))), guessed=False, now=0.0)
+    held = list(range(1000, 1000 + 64))  # 4 whole blocks, on every replica
+    for name in REPLICAS:
+        table.insert(name, block_hashes(held), guessed=False, now=0.0)
+    policy = make_policy("cache_aware", {}, state)
+    picks = set()
+    for order in (REPLICAS, REPLICAS[::-1], REPLICAS[1:] + REPLICAS[:1]):
+        decision = policy.choose(order, _request(held))
+        assert decision.matched_blocks == {r: 4 for r in REPLICAS}
+        assert decision.reason.endswith("tie broken by prefix hash"), decision.reason
+        picks.add(decision.replica)
+    assert len(picks) == 1
+    for n in range(200, 216):
+        for name in REPLICAS:
+            table.insert(name, block_hashes(list(range(n * 100, n * 100 + 64))), guessed=False, now=0.0)
+    hashes_chosen = {policy.choose(REPLICAS, _request(list(range(n * 100, n * 100 + 64)))).replica
+                     for n in range(200, 216)}  # other prompts held whole everywhere: spread by their hashes
+    assert len(hashes_chosen) >= 3, hashes_chosen
+    new = policy.choose(REPLICAS, _request(list(range(90_000, 90_064))))
+    assert new.replica == "r3" and new.reason.endswith("tie broken by emptiest cache"), new.reason
+
+
 def test_a_prefix_follows_its_cache_past_a_small_imbalance_unless_it_is_running_there():
     state = _state(REPLICAS)
     policy = make_policy("cache_aware", {}, state)
