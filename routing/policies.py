@@ -182,7 +182,7 @@ class CacheAwareDecision:
     def reason(self) -> str:
         matched = self._matched
         chosen = self.candidates.index(self.replica)
-        best = max(range(len(matched)), key=matched.__getitem__)
+        best = matched.index(max(matched))  # the first of the deepest
         if matched[best] == matched[chosen]:
             text = (f"longest prefix ({matched[chosen]} blocks) at lowest cost" if matched[chosen]
                     else "no cached prefix; lowest queueing delay")
@@ -446,7 +446,7 @@ class CacheAware:
             points.move_to_end(key)
             if len(points) > BRANCH_POINTS_KEPT:
                 points.popitem(last=False)
-        if self.learn_from_routing and len(decision.hashes) and decision.replica in decision.table.replicas():
+        if self.learn_from_routing and len(decision.hashes) and decision.table.has_replica(decision.replica):
             decision.table.insert(decision.replica, decision.hashes, guessed=True, now=self.state.clock())
 
 
