@@ -22,7 +22,6 @@ import structlog
 
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
-from observability.request_log import ms
 from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 from routing.load import LoadModel, LoadTracker
@@ -397,7 +396,8 @@ def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -
 def _estimates_log(fresh_after_s: float, rows: list[tuple]) -> dict:
     """tracker.estimate's fields by candidate, from _estimates' rows."""
     return {name: {"waiting": waiting, "pending_prefill_tokens": pending, "decoding": decoding,
-                   "in_flight": int(in_flight), "queue_delay_ms": ms(delay_s), "scraped_fresh": at_s >= fresh_after_s}
+                   "in_flight": int(in_flight), "queue_delay_ms": round(delay_s * 1e6) / 1000,  # ms(), inline
+                   "scraped_fresh": at_s >= fresh_after_s}
             for name, waiting, pending, decoding, in_flight, delay_s, at_s in rows}
 
 

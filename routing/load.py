@@ -34,6 +34,7 @@ class ScrapedLoad:
     at_s: float = float("-inf")
     ours_waiting: int = 0    # our own accounting when the scrape was taken
     ours_in_flight: int = 0
+    extra: tuple[float, float] = (0.0, 0.0)  # external(), as LoadTracker.on_scrape recorded it
 
     def external(self) -> tuple[float, float]:
         """(waiting, running) the replica had beyond the requests we routed to it."""
@@ -267,6 +268,7 @@ class LoadTracker:
         load = self._get(replica)
         scraped.at_s = now
         scraped.ours_waiting, scraped.ours_in_flight = self.own_during(replica, window)
+        scraped.extra = scraped.external()  # once per scrape, not once per candidate of every decision
         load.scraped = scraped
 
     # ---- the estimate -----------------------------------------------------------------
@@ -303,10 +305,9 @@ class LoadTracker:
             waiting, running = load.waiting, load.decoding
             in_flight = waiting + running
             scraped = load.scraped
-            if now - scraped.at_s <= stale_after_s and (scraped.waiting or scraped.running):
+            extra_waiting, extra_running = scraped.extra
+            if (extra_waiting or extra_running) and now - scraped.at_s <= stale_after_s:
                 # Traffic we did not route: assume its waiting requests are as long as ours on average.
-                # (A scrape that saw nothing running there has none: external() is (0, 0).)
-                extra_waiting, extra_running = scraped.external()
                 in_flight += extra_waiting + extra_running
                 if extra_waiting:
                     pending_tokens += extra_waiting * (pending_tokens / waiting if waiting else 512)
