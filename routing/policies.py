@@ -17,8 +17,9 @@ from __future__ import annotations
 import bisect
 import random
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
+import msgspec
 import xxhash
 
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
@@ -147,24 +148,25 @@ _MASK32 = (1 << 32) - 1
 _REBASE_HALVINGS = 64  # turnover's weights start again from 1 past 2 ** this (far from a float's range)
 
 
-class CacheAwareDecision:
+class CacheAwareDecision(msgspec.Struct, gc=False):
     """A cache_aware decision: the chosen replica plus what explains it, kept as lists aligned
     with the candidates; the dicts and the reason text of the log record are built on demand
-    (after the response), not on the decision path."""
-    __slots__ = ("replica", "candidates", "predicted_cached_tokens", "_matched", "_loads",
-                 "_scores", "_allowed", "_why", "_balance_factor", "table", "hashes", "_shared_prefix",
-                 "loads_and_delays")
+    (after the response), not on the decision path. A Struct: its __init__ runs in C (one is
+    made per request; untracked by the GC: it holds no reference back to itself)."""
+    replica: str
+    candidates: tuple
+    predicted_cached_tokens: int
+    _matched: list
+    _loads: list
+    _scores: list
+    _allowed: Sequence[int]
+    _why: str
+    _balance_factor: float
+    table: Any  # for commit(): where the guess goes
+    hashes: Any
+    _shared_prefix: bool = False  # the deepest match was a shared prefix too small to steer
+    loads_and_delays: Any = None  # (now, loads, delays) the tracker gave choose(): the record's load estimate
     policy = "cache_aware"
-
-    def __init__(self, replica, candidates, predicted_cached_tokens, matched, loads, scores,
-                 allowed, why, balance_factor, table, hashes, shared_prefix=False) -> None:
-        self.replica, self.candidates = replica, candidates
-        self.predicted_cached_tokens = predicted_cached_tokens
-        self._matched, self._loads, self._scores, self._allowed = matched, loads, scores, allowed
-        self._why, self._balance_factor = why, balance_factor
-        self.table, self.hashes = table, hashes  # for commit(): where the guess goes
-        self._shared_prefix = shared_prefix  # the deepest match was a shared prefix too small to steer
-        self.loads_and_delays = None  # (now, loads, delays) the tracker gave choose(): the record's load estimate
 
     @property
     def matched_blocks(self) -> dict[str, int]:
@@ -279,12 +281,15 @@ class CacheAware:
         self._turn = 0  # turns for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
-        require_candidates(candidates)
+        if not candidates:
+            require_candidates(candidates)
         state = self.state
         tracker = state.tracker
         now = state.clock()
-        hashes = state.hashes(request)
-        table = state.table(request.model)
+        hashes = request.block_hashes  # as the gateway computed them; else state.hashes makes them
+        if not len(hashes):
+            hashes = state.hashes(request)
+        table = state.tables.get(request.model) or state.table(request.model)
         n_blocks = len(hashes)
         matched = table.match_lengths(hashes, now, candidates) if n_blocks else [0] * len(candidates)
         loads, delays = tracker.loads_and_delays(candidates, now)
@@ -329,21 +334,23 @@ class CacheAware:
                        if load <= bound or (matched[i] >= min_match and load <= follow_cap and not
                                             tracker.running_prefix(candidates[i], hashes, (matched[i] + 1) // 2))]
             best_score = min([scores[i] for i in allowed])
-        tied = (list(allowed) if max(scores) == best_score and len(allowed) == len(scores)
-                else [i for i in allowed if scores[i] == best_score])
         why = ""
-        chosen = tied[0]
-        if len(tied) > 1:
+        if allowed.__class__ is range and scores.count(best_score) == 1:  # the usual case: one best, no list
+            chosen = scores.index(best_score)
+            tied = None
+        else:
+            tied = (list(allowed) if max(scores) == best_score and len(allowed) == len(scores)
+                    else [i for i in allowed if scores[i] == best_score])
+            chosen = tied[0]
+        if tied is not None and len(tied) > 1:
             own_block = int(hashes[min(deepest, n_blocks - 1)]) if n_blocks else None
             # Tied replicas that all hold the whole prompt take in nothing new from it: where
             # their caches have room or turn over slowest does not matter, its hash decides.
             holding = n_blocks and min(matched if len(tied) == len(matched) else [matched[i] for i in tied]) == n_blocks
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
-        decision = CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                      allowed, why, self.balance_factor, table, hashes, shared_prefix)
-        decision.loads_and_delays = (now, loads, delays)
-        return decision
+        return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
+                                  allowed, why, self.balance_factor, table, hashes, shared_prefix, (now, loads, delays))
 
     def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int,
                    holding: bool = False) -> tuple[int, str]:
