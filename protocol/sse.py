@@ -24,9 +24,13 @@ class EventSplitter:
         data = self._buffer + chunk if self._buffer else chunk
         if data.find(b"\r") >= 0:  # CRLF framing (a CR held back at the end joins its LF next time)
             data = data.replace(b"\r\n", b"\n")
-        if data.find(b"\n\n") < 0:
+        end = data.find(b"\n\n")
+        if end < 0:
             self._buffer = data
             return []
+        if end == len(data) - 2 and end:  # one whole event, the usual read of a token stream: no split
+            self._buffer = b""
+            return [data[:-2]] if data[0] > 32 or data[:-2].strip() else []  # (blank: none)
         *events, self._buffer = data.split(b"\n\n")
         return [e for e in events if e.strip()]
 

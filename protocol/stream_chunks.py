@@ -84,6 +84,13 @@ def decode_events(events: list[bytes]) -> tuple[list[bytes], list[Chunk]]:
         events = events[:-1]
     if not events:
         return [], []
+    if len(events) == 1:  # one event a read, the usual token stream: its JSON decoded as it is
+        only = events[0]
+        if only.startswith(b"data: ") and only.find(b"\n") < 0:
+            try:
+                return events, [_one_decoder.decode(only[6:])]
+            except msgspec.DecodeError:
+                pass  # not a chunk: the general path below says what it is
     joined = b"\n\n".join(events)
     if joined.startswith(b"data: "):
         array = joined[6:].replace(b"\n\ndata: ", b",")

@@ -14,6 +14,7 @@ import struct
 import uvloop
 
 from gateway.http_client import BadResponse, ConnectFailed, Disconnected, HttpClientError, Origin, UpstreamClient
+from protocol.sse import EventSplitter
 from protocol.stream_chunks import MalformedEvent, decode_events, strip_token_ids
 from tests.servers import free_port
 
@@ -231,6 +232,31 @@ def test_events_decode_in_one_batch_or_one_by_one_and_odd_ones_are_named():
         decode_events([b"data: {\"choices\": 7}"])
     with pytest.raises(MalformedEvent):
         decode_events([b"data: not json"])
+    # One event a read (a token stream's usual read): the same chunks, the same errors, skips.
+    for one in events[:3]:
+        kept, chunks = decode_events([one])
+        assert kept == [one] and chunks == decode_events(events[:3])[1][events.index(one):events.index(one) + 1]
+    assert decode_events([b"data: 5"]) == ([], []) and decode_events([b"data: [DONE]"]) == ([], [])
+    for bad in (b"data: {\"choices\": 7}", b"data: not json"):
+        with pytest.raises(MalformedEvent):
+            decode_events([bad])
+
+
+def test_a_byte_stream_splits_into_the_same_events_however_it_is_cut():
+    """EventSplitter: events one per read (its fast path), several per read, split mid-event or
+    mid-separator, CRLF framed, blank ones dropped: always the same events, in order."""
+    events = [chunk(choices=[{"index": 0, "text": t, "token_ids": [i]}]) for i, t in enumerate("abc")] + [b"data: [DONE]"]
+    stream = b"".join(e + b"\n\n" for e in events)
+    for cuts in ([len(e) + 2 for e in events], [1] * 8 + [len(stream)], [7, 3, 200, 1, 2, 500], [len(stream)]):
+        for framing in (b"\n", b"\r\n"):
+            data = stream.replace(b"\n", framing)
+            splitter, got, at = EventSplitter(), [], 0
+            for size in cuts:
+                got += splitter.feed(data[at:at + size])
+                at += size
+            got += splitter.feed(data[at:]) + splitter.flush()
+            assert got == events, (cuts, framing)
+    assert EventSplitter().feed(b" \n\n") == [] and EventSplitter().feed(b"\n\n") == []
 
 
 @pytest.fixture(params=["C", "Python"])
