@@ -17,6 +17,7 @@ import asyncio
 import time
 from typing import Sequence
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -300,7 +301,7 @@ class RoutedAttempt:
     __slots__ = ("router", "routed", "replica", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
                  "batch", "decode_sample", "retried_after", "_mode", "_estimates", "_log")
 
-    def __init__(self, router: Router, routed: Attempt, estimates: tuple | None) -> None:
+    def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
         self.router = router
         self.routed = routed
         self.replica = routed.replica
@@ -339,7 +340,7 @@ class RoutedAttempt:
             out = self._log = self.routed.decision.as_log()
             out["mode"] = self._mode
             if self._estimates is not None:
-                out["load_estimate"] = _estimates_log(*self._estimates)
+                out["load_estimate"] = self._estimates
         if self.retried_after:
             out["retried_after"] = self.retried_after
         return out
@@ -376,10 +377,21 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> tuple:
+class EstimateLog(msgspec.Struct, gc=False):
+    """One candidate's load estimate in the record (`routing.load_estimate`), as the policy saw
+    it: made when the decision is (its __init__ in C), encoded as the JSON object of these fields."""
+    waiting: int
+    pending_prefill_tokens: int
+    decoding: int
+    in_flight: int
+    queue_delay_ms: float
+    scraped_fresh: bool
+
+
+def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog]:
     """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
     try is counted right after this): the in-flight counts and queueing delays the policy kept,
-    else one pass of the tracker, with the counts behind them, as plain tuples for _estimates_log."""
+    else one pass of the tracker, with the counts behind them."""
     tracker = state.tracker
     figures = getattr(decision, "loads_and_delays", None)
     if figures is not None:
@@ -388,17 +400,11 @@ def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -
         now = state.clock()
         loads, delays = tracker.loads_and_delays(candidates, now)
     loads_of = tracker.replicas  # loads_and_delays made each one that was missing
-    return now - tracker.model.stale_after_s, [
-        (name, load.waiting, load.pending_prefill_tokens, load.decoding, in_flight, delay_s, load.scraped.at_s)
-        for name, in_flight, delay_s, load in zip(candidates, loads, delays, map(loads_of.__getitem__, candidates))]
-
-
-def _estimates_log(fresh_after_s: float, rows: list[tuple]) -> dict:
-    """tracker.estimate's fields by candidate, from _estimates' rows."""
-    return {name: {"waiting": waiting, "pending_prefill_tokens": pending, "decoding": decoding,
-                   "in_flight": int(in_flight), "queue_delay_ms": round(delay_s * 1e6) / 1000,  # ms(), inline
-                   "scraped_fresh": at_s >= fresh_after_s}
-            for name, waiting, pending, decoding, in_flight, delay_s, at_s in rows}
+    fresh_after_s = now - tracker.model.stale_after_s
+    return dict(zip(candidates, [
+        EstimateLog(load.waiting, load.pending_prefill_tokens, load.decoding, int(in_flight),
+                    round(delay_s * 1e6) / 1000, load.scraped.at_s >= fresh_after_s)  # ms(), inline
+        for in_flight, delay_s, load in zip(loads, delays, map(loads_of.__getitem__, candidates))]))
 
 
 def _averaged(averages: dict[str, tuple[float, int]], key: str, sample: float) -> tuple[float, int]:

@@ -10,6 +10,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 
 from gateway.config import parse_config
@@ -353,7 +354,7 @@ def test_a_tries_routing_explanation_says_what_the_policy_saw_when_it_chose():
     for _ in range(3):  # after the choice: more load everywhere, and the try itself has ended
         tracker.on_routed("r0", 100)
         tracker.on_routed("r1", 100)
-    routing = attempt.log
+    routing = msgspec.to_builtins(attempt.log)  # as the record's JSON has it
     assert routing["chosen"] == "r0" and routing["load"] == {"r0": 0, "r1": 1}
     assert {name: e["waiting"] for name, e in routing["load_estimate"].items()} == {"r0": 0, "r1": 1}
     assert routing["load_estimate"]["r1"]["in_flight"] == 1 and routing["mode"] == "approximate"
