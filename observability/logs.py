@@ -151,25 +151,15 @@ class JsonSink:
         self.writer = writer
 
     def info(self, event: str, fields: dict) -> None:
+        # One dict merged, then one encode. Encoding the fields alone and putting the head's bytes
+        # in front saved 0.4-0.9 us on a short record but copies the line twice more: a record with
+        # a 2,000-8,000-token prompt took as long or ~10 us longer (measured A/B, one process).
+        head = {"event": event, "level": "info", "timestamp": _timestamp()}
         context = structlog.contextvars.get_contextvars()
-        if context or not fields:  # bound context (a worker's index) goes between the head and the fields
-            head = {"event": event, "level": "info", "timestamp": _timestamp()}
+        if context:
             head.update(context)
-            head.update(fields)
-            self.writer.write(_encoder.encode(head))
-            return
-        # The head's bytes in front of the fields' (no dict merged: 1.6 against 2.0 us a record)
-        head = _heads.get(event) or _head(event)
-        self.writer.write(b'%b%b",%b' % (head, _timestamp().encode(), _encoder.encode(fields)[1:]))
-
-
-_heads: dict[str, bytes] = {}
-
-
-def _head(event: str) -> bytes:
-    """A record's line up to its timestamp's value: `{"event":...,"level":"info","timestamp":"`."""
-    head = _heads[event] = _encoder.encode({"event": event, "level": "info", "timestamp": ""})[:-2]
-    return head
+        head.update(fields)
+        self.writer.write(_encoder.encode(head))
 
 
 _second = [0, ""]
