@@ -548,16 +548,20 @@ class Proxy:
             raise TryFailed("unreadable answer", UpstreamError(
                 f"Replica {replica.name} sent an answer that is not an OpenAI response.",
                 code="upstream_error")) from None
-        self.pool.report(replica, ok=True)
-        choice = reply.choices[0] if reply.choices else None
-        record.output_token_ids = list(choice.token_ids or ()) if choice is not None else []
-        record.finish_reason = choice.finish_reason if choice is not None else None
-        record.completion_tokens = len(record.output_token_ids)
-        details = reply.usage.prompt_tokens_details if reply.usage is not None else None
-        record.cached_tokens = details.cached_tokens if details is not None else None
         # The replica's bytes go through (fields the gateway does not know included), without the
-        # token IDs the client did not ask for.
-        await answer.exchange.respond(200, body if wants_token_ids else strip_token_ids(body), answer.reply_headers)
+        # token IDs the client did not ask for; the bookkeeping follows, off the client's wait
+        # (and whatever became of the write: the record keeps what the replica answered).
+        try:
+            await answer.exchange.respond(200, body if wants_token_ids else strip_token_ids(body),
+                                          answer.reply_headers)
+        finally:
+            self.pool.report(replica, ok=True)
+            choice = reply.choices[0] if reply.choices else None
+            record.output_token_ids = list(choice.token_ids or ()) if choice is not None else []
+            record.finish_reason = choice.finish_reason if choice is not None else None
+            record.completion_tokens = len(record.output_token_ids)
+            details = reply.usage.prompt_tokens_details if reply.usage is not None else None
+            record.cached_tokens = details.cached_tokens if details is not None else None
 
     async def _status_error(self, upstream: Response, replica: ReplicaState, deadline: float) -> Exception:
         """A replica's non-200: the client's error (4xx) to pass through, or TryFailed to try elsewhere."""
