@@ -128,11 +128,14 @@ def _json_response(obj) -> web.Response:
     return web.Response(body=_json.encode(obj), content_type="application/json")
 
 
-async def _sse_response(request: web.Request, events) -> web.StreamResponse:
+async def _sse_response(request: web.Request, events, interval_s: float = 0.0) -> web.StreamResponse:
+    """`interval_s`: the time between two events (a decode step), 0: all at once."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await response.prepare(request)
-        for item in events:  # one write per chunk, as a real server flushes each token
+        for index, item in enumerate(events):  # one write per chunk, as a real server flushes each token
+            if interval_s and index:
+                await asyncio.sleep(interval_s)
             await response.write(event(item))
         await response.write(DONE_EVENT)
         await response.write_eof()
@@ -141,9 +144,10 @@ async def _sse_response(request: web.Request, events) -> web.StreamResponse:
     return response
 
 
-def build_app(model: StubModel, fail_status: int | None = None) -> web.Application:
+def build_app(model: StubModel, fail_status: int | None = None, token_interval_s: float = 0.0) -> web.Application:
     """`fail_status`: every generation request answers that HTTP status (a replica that is up and
-    healthy but failing its work, for failover tests and benches)."""
+    healthy but failing its work, for failover tests and benches). `token_interval_s`: a streamed
+    answer's events that far apart (a real engine's decode step), each then its own read."""
     middlewares = [openai_errors] + ([_failing(fail_status)] if fail_status else [])
     app = web.Application(middlewares=middlewares)
 
@@ -178,7 +182,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                 yield {"id": request_id, "object": "text_completion", "created": created, "model": model.name,
                        "choices": [], "usage": model.usage(prompt_ids, len(output), cached)}
 
-        return await _sse_response(request, events())
+        return await _sse_response(request, events(), token_interval_s)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = decode_chat(await request.read())
@@ -216,7 +220,7 @@ def build_app(model: StubModel, fail_status: int | None = None) -> web.Applicati
                 yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": model.name, "choices": [], "usage": model.usage(prompt_ids, len(output), cached)}
 
-        return await _sse_response(request, events())
+        return await _sse_response(request, events(), token_interval_s)
 
     models_body = _json.encode({"object": "list", "data": [{
         "id": model.name, "object": "model", "created": model.created, "owned_by": "vllm", "root": model.name,
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--prefix-cache-blocks", type=int, default=8192,
                         help="16-token blocks of the prefix cache whose hits usage reports (0: report none)")
+    parser.add_argument("--token-interval-ms", type=float, default=0.0,
+                        help="time between a streamed answer's events (0: all at once)")
     parser.add_argument("--fail-status", type=int, default=None,
                         help="answer every generation request with this HTTP status (failover tests)")
     parser.add_argument("--cpu-policy", choices=POLICIES, default="normal",
@@ -283,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         apply_to_current_thread("batch")
     if args.output_tokens < 1:
         parser.error("--output-tokens must be at least 1")
+    if not 0 <= args.token_interval_ms <= 10_000:
+        parser.error("--token-interval-ms must be between 0 and 10000")
 
     tokenizer_dir = args.tokenizer_dir
     if tokenizer_dir is None:
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(serve(build_app(model, args.fail_status), args.host, args.port))
+    run(serve(build_app(model, args.fail_status, args.token_interval_ms / 1000), args.host, args.port))
 
 
 async def serve(app: web.Application, host: str, port: int) -> None:
@@ -327,9 +335,11 @@ class StubProcess:
 
     def __init__(self, *, port: int = 0, model: str = "stub", output_tokens: int = 16, tokenizer_dir=None,
                  stderr=None, ready_timeout_s: float = 120.0, fail_status: int | None = None,
-                 cpu_policy: str | None = None):
+                 cpu_policy: str | None = None, token_interval_ms: float = 0.0):
         self.argv = [sys.executable, "-m", "bench.stub_backend", "--port", str(port), "--model", model,
                      "--output-tokens", str(output_tokens)]
+        if token_interval_ms:
+            self.argv += ["--token-interval-ms", str(token_interval_ms)]
         if fail_status is not None:
             self.argv += ["--fail-status", str(fail_status)]
         if cpu_policy is not None:

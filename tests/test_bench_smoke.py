@@ -85,6 +85,21 @@ def test_chat_stream_opens_with_role_and_prompt_ids(client):
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 3
 
 
+def test_a_paced_stub_streams_each_token_a_decode_step_after_the_last():
+    """--token-interval-ms: a streamed answer's events come that far apart, as an engine's decode
+    steps do (bench.stream_relay relies on each token being its own read); a JSON answer is whole."""
+    import time
+    with StubProcess(output_tokens=5, token_interval_ms=60) as paced:
+        with openai.OpenAI(base_url=paced.url + "/v1", api_key="unused", max_retries=0, timeout=10) as c:
+            arrived = []
+            for chunk in c.completions.create(model="stub", prompt="Hello", max_tokens=5, stream=True):
+                if chunk.choices:
+                    arrived.append(time.monotonic())
+            gaps = [b - a for a, b in zip(arrived, arrived[1:])]
+            assert len(arrived) == 5 and min(gaps) > 0.04, gaps
+            assert c.completions.create(model="stub", prompt="Hello", max_tokens=5).usage.completion_tokens == 5
+
+
 def test_bad_json_and_unknown_model_are_openai_errors(stub, client):
     request = urllib.request.Request(stub.url + "/v1/completions", data=b"{not json", method="POST",
                                      headers={"Content-Type": "application/json"})
