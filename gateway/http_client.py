@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from typing import Awaitable
 from urllib.parse import urlsplit
 
 import httptools
@@ -213,11 +214,12 @@ class Response:
         self.status = conn.status
         self.headers = conn.headers
 
-    async def read_some(self, deadline: float | None = None) -> bytes:
+    def read_some(self, deadline: float | None = None) -> Awaitable[bytes]:
         """Body bytes that arrived since the last call (waits for some); b"" once the body is
         complete. TimeoutError if nothing came by `deadline` (loop time). Cancelling it, or its
-        timing out, loses nothing: what arrives stays for the next call."""
-        return await self._conn.read_some(deadline)
+        timing out, loses nothing: what arrives stays for the next call. The connection's own
+        coroutine, not one wrapped around it: a stream calls this once per token."""
+        return self._conn.read_some(deadline)
 
     async def read(self, deadline: float | None = None) -> bytes:
         """The whole body (waits for the rest of it)."""

@@ -445,6 +445,7 @@ class Proxy:
             # Before the first token, wake every itl_s too: a replica that health checks took out
             # of rotation meanwhile (frozen, its engine dead) loses the request at once.
             wait_until = loop.time() + itl_s
+            decoding = attempt.started_decoding  # this loop is what starts it (attempt.first_token)
             while not finished:
                 deadline = min(plan.deadline, wait_until)
                 try:
@@ -455,9 +456,10 @@ class Proxy:
                         events = splitter.feed(data)
                         if events:
                             await answer.on_events(events, last=upstream.complete)
-                        if not attempt.started_decoding and record.first_token_s is not None:
+                        if not decoding and record.first_token_s is not None:
                             attempt.first_token()  # prefilled: the load tracker now counts it decoding
-                        if attempt.started_decoding:
+                            decoding = True
+                        if decoding:
                             deadline = min(plan.deadline, now + itl_s)
                     rest = splitter.flush()
                     if rest:
