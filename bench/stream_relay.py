@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.connections} in flight, {args.rounds} x {args.seconds:g} s per router")
     table.add_column("router", no_wrap=True)
     for column in ("streams", "failed", "CPU us/token", "user / system us/token", "CPU us/request"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     lines = []
     for name, results in rows.items():
         answered = sum(r[0] for r in results)
