@@ -409,12 +409,14 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def _wait(self, deadline: float | None) -> None:
-        """Until the next read (or close); TimeoutError past `deadline`. One timer per connection,
-        not per wait: it stays armed across waits and answers (a request's deadline is seconds to
-        minutes away, its answer milliseconds), is moved only to an earlier deadline, and when it
-        fires before the waiting read's deadline it re-arms for it (HotProtocol's timers, the same
-        way): a request costs no timer of its own."""
+    def _wait(self, deadline: float | None) -> asyncio.Future:
+        """To await until the next read (or close); TimeoutError past `deadline`. The waiter itself,
+        not a coroutine around it (a stream waits once per token); once done it is left in place,
+        where _wake and _timed_out skip it. One timer per connection, not per wait: it stays armed
+        across waits and answers (a request's deadline is seconds to minutes away, its answer
+        milliseconds), is moved only to an earlier deadline, and when it fires before the waiting
+        read's deadline it re-arms for it (HotProtocol's timers, the same way): a request costs no
+        timer of its own."""
         loop = self.loop
         waiter = self._waiter = loop.create_future()
         self._deadline = deadline
@@ -424,10 +426,7 @@ class _Connection(asyncio.Protocol):
                 if timer is not None:
                     timer.cancel()
                 self._timer = loop.call_at(deadline, self._timed_out)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+        return waiter
 
     def _timed_out(self) -> None:
         self._timer = None
