@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"round {round_index + 1}/{args.rounds}: {name}: {answered} streams, "
                     f"{(user + system) / max(answered * args.tokens, 1) * 1e6:.1f} us/token"
                     + (f", {failed} failed" if failed else ""))
-    table = Table(title=f"CPU per relayed token: {args.tokens}-token streams, a token every {args.token_interval_ms:g} ms, "
+    table = Table(title=f"CPU per relayed token: {args.tokens}-token streams, "
+                        f"a token every {args.token_interval_ms:g} ms, "
                         f"{args.connections} in flight, {args.rounds} x {args.seconds:g} s per router")
     table.add_column("router", no_wrap=True)
     for column in ("streams", "failed", "CPU us/token", "user / system us/token", "CPU us/request"):
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"figure {name.replace(' ', '_').replace('-', '_')}_cpu_us_per_token: "
                      f"{(user + system) / tokens * 1e6:.1f}")
     console.print(table)
-    console.print(f"The stubs, wrk and every router share the machine's {os.cpu_count()} cores; compare within this run.")
+    console.print(f"The stubs, wrk and every router share the machine's {os.cpu_count()} cores; "
+                  "compare within this run.")
     for line in missing:
         console.print(f"[yellow]not measured: {line}[/yellow]")
     for line in lines:

@@ -245,7 +245,9 @@ class CacheAware:
     new conversation's first message, not the shared system prompt; a prompt shorter than a block,
     which caches nothing, in turns), never by config order: new prefixes spread over the
     replicas, and each replica's share of them fits its cache (SGLang's "smallest tree" for a low
-    match). A prefix's later requests then follow their cache.
+    match). A prefix's later requests then follow their cache. A prompt that every tied replica
+    holds whole brings no new content to place: the cache steps are skipped, and the hash of its
+    last block decides.
 
     `commit(decision)` records the prompt's blocks as guessed on the chosen replica (approximate
     mode, learn_from_routing), off the decision path: the gateway calls it once the request is

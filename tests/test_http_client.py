@@ -245,7 +245,8 @@ def test_events_decode_in_one_batch_or_one_by_one_and_odd_ones_are_named():
 def test_a_byte_stream_splits_into_the_same_events_however_it_is_cut():
     """EventSplitter: events one per read (its fast path), several per read, split mid-event or
     mid-separator, CRLF framed, blank ones dropped: always the same events, in order."""
-    events = [chunk(choices=[{"index": 0, "text": t, "token_ids": [i]}]) for i, t in enumerate("abc")] + [b"data: [DONE]"]
+    events = [chunk(choices=[{"index": 0, "text": t, "token_ids": [i]}]) for i, t in enumerate("abc")]
+    events.append(b"data: [DONE]")
     stream = b"".join(e + b"\n\n" for e in events)
     for cuts in ([len(e) + 2 for e in events], [1] * 8 + [len(stream)], [7, 3, 200, 1, 2, 500], [len(stream)]):
         for framing in (b"\n", b"\r\n"):

@@ -155,7 +155,8 @@ def test_a_prompt_every_tied_replica_holds_whole_goes_by_its_hash_and_new_conten
     state = _state(REPLICAS)
     table = state.table("m")
     for i, name in enumerate(REPLICAS[:3]):  # r3's cache clearly the emptiest
-        table.insert(name, block_hashes(list(range(50_000 + i * 10_000, 50_000 + i * 10_000 + 16 * 600))), guessed=False, now=0.0)
+        start = 50_000 + i * 10_000
+        table.insert(name, block_hashes(list(range(start, start + 16 * 600))), guessed=False, now=0.0)
     held = list(range(1000, 1000 + 64))  # 4 whole blocks, on every replica
     for name in REPLICAS:
         table.insert(name, block_hashes(held), guessed=False, now=0.0)
