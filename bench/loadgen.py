@@ -103,15 +103,20 @@ def process_tree(pid: int) -> list[int]:
 
 def process_cpu_s(pid: int) -> float:
     """utime + stime of one process (all its threads) from /proc/<pid>/stat, in seconds; 0.0 if gone."""
+    return sum(process_cpu_split_s(pid))
+
+
+def process_cpu_split_s(pid: int) -> tuple[float, float]:
+    """(utime, stime) of one process (all its threads) from /proc/<pid>/stat, in seconds; zeros if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     # The command name may contain spaces; fields after the closing paren are fixed.
     fields = raw[raw.rindex(b")") + 2:].split()
-    utime, stime = int(fields[11]), int(fields[12])
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 # -- one request -----------------------------------------------------------------------------

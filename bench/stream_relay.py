@@ -9,8 +9,10 @@ a few hundred tokens that is most of what the request costs it. Here the 4 stubs
 for every router: the bench prompt, `--tokens` tokens, stream=true).
 
 Routers: kvgate round_robin and cache_aware (one process each, token IDs logged, as in
-vs_routers) and sglang-router round_robin and cache_aware (bench/routers.py's own virtualenv; a
-router that cannot be installed or started is named, with no row). Per router: its process's CPU
+vs_routers) and sglang-router round_robin and cache_aware (bench/routers.py's own virtualenv;
+`--routers kvgate,sglang,vllm` adds vllm-router; a router that cannot be installed or started is
+named, with no row). Routers are started and counted as bench/vs_routers.py does (its processes,
+children included). Per router: its process's CPU
 time over the phases, split into user and system, per token and per request, with the requests
 answered; `--rounds` rounds in a rotating order. Needs wrk.
 
@@ -25,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -34,36 +35,21 @@ import time
 from pathlib import Path
 
 from bench.gateway_overhead import PROMPT
-from bench.routers import RouterUnavailable, run_sglang_router, sglang_router_python
+from bench.loadgen import process_cpu_split_s
 from bench.stub_backend import StubProcess
-from bench.vs_routers import POLICIES, gateway_config
-from tests.servers import ServerStartError, free_port, run_gateway
-
-STUBS = 4
-_REQUESTS = re.compile(r"(\d+) requests in")
-_NON_2XX = re.compile(r"Non-2xx or 3xx responses: (\d+)")
-_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
+from bench.vs_routers import STUBS, WRK_FIXED, Router, start_routers, wrk_counts
 
 
-def cpu_split_s(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of one process, all its threads, from /proc/<pid>/stat."""
-    raw = Path(f"/proc/{pid}/stat").read_bytes()
-    fields = raw[raw.rindex(b")") + 2:].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def phase(url: str, script: Path, connections: int, seconds: float, pid: int) -> tuple[int, float, float, int]:
-    """One closed-loop wrk phase: (requests answered 200, user s, system s, failed)."""
-    user0, system0 = cpu_split_s(pid)
+def phase(router: Router, script: Path, connections: int, seconds: float) -> tuple[int, float, float, int]:
+    """One closed-loop wrk phase: (requests answered, user s, system s, failed) of the router's processes."""
+    pids = router.pids()
+    before = [process_cpu_split_s(pid) for pid in pids]
     done = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "30s", "-s", str(script),
-                           url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 90)
-    user1, system1 = cpu_split_s(pid)
-    answered = int(_REQUESTS.search(done.stdout).group(1)) if _REQUESTS.search(done.stdout) else 0
-    failed = int(_NON_2XX.search(done.stdout).group(1)) if _NON_2XX.search(done.stdout) else 0
-    if errors := _ERRORS.search(done.stdout):
-        failed += sum(int(n) for n in errors.groups())
-    return answered - failed, user1 - user0, system1 - system0, failed
+                           router.url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 90)
+    after = [process_cpu_split_s(pid) for pid in pids]
+    served, failed = wrk_counts(done.stdout)
+    return (served, sum(a[0] - b[0] for a, b in zip(after, before)), sum(a[1] - b[1] for a, b in zip(after, before)),
+            failed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,15 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32, help="streams in flight (default 32)")
     parser.add_argument("--seconds", type=float, default=8.0, help="per phase (default 8)")
     parser.add_argument("--rounds", type=int, default=2, help="phases per router (default 2)")
-    parser.add_argument("--routers", default="kvgate,sglang", help="of kvgate,sglang (default both)")
+    parser.add_argument("--routers", default="kvgate,sglang", help="of kvgate,sglang,vllm (default kvgate,sglang)")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.connections < 1 or args.rounds < 1 or args.seconds <= 0:
         parser.error("--tokens, --connections, --rounds and --seconds must be positive")
     if not 0 < args.token_interval_ms <= 1000:
         parser.error("--token-interval-ms: above 0 (each token its own read) and at most 1000")
     wanted = set(args.routers.split(","))
-    if not wanted <= {"kvgate", "sglang"}:
-        parser.error("--routers: kvgate and/or sglang")
+    if not wanted <= {"kvgate", "sglang", "vllm"}:
+        parser.error("--routers: of kvgate, sglang, vllm")
     if shutil.which("wrk") is None:
         print("stream_relay: needs wrk on PATH (apt-get install wrk)", file=sys.stderr)
         return 2
@@ -93,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str) -> None:
         console.print(f"[{time.monotonic() - started:5.1f} s] {text}")
 
-    routers: list[tuple[str, str, int]] = []  # (name, url, pid)
-    missing: list[str] = []
     rows: dict[str, list[tuple[int, float, float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-stream-relay-") as scratch, contextlib.ExitStack() as stack:
         directory = Path(scratch)
@@ -102,41 +86,27 @@ def main(argv: list[str] | None = None) -> int:
                                                  stderr=subprocess.DEVNULL)) for _ in range(STUBS)]
         urls = [stub.url for stub in stubs]
         say(f"{STUBS} stubs up, {args.tokens} tokens {args.token_interval_ms:g} ms apart")
-        if "kvgate" in wanted:
-            for policy in POLICIES:
-                port = free_port()
-                server = stack.enter_context(run_gateway(gateway_config(directory, policy, urls, port), port))
-                routers.append((f"kvgate {policy}", server.url, server.proc.pid))
-        if "sglang" in wanted:
-            try:
-                python = sglang_router_python(say)
-                for policy in POLICIES:
-                    server = stack.enter_context(run_sglang_router(python, urls, policy=policy))
-                    routers.append((f"sglang-router {policy}", server.url, server.proc.pid))
-            except (RouterUnavailable, ServerStartError, OSError, subprocess.SubprocessError) as exc:
-                routers = [r for r in routers if not r[0].startswith("sglang")]
-                missing.append(f"sglang-router: {str(exc).strip().splitlines()[0][:300]}")
+        routers, missing = start_routers(stack, directory, urls, wanted, say)
         script = directory / "stream.lua"
         body = {"model": "stub", "prompt": PROMPT, "max_tokens": args.tokens, "temperature": 0.0, "stream": True}
-        script.write_text('wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n'
-                          % json.dumps(json.dumps(body)), encoding="utf-8")
-        for name, url, pid in routers:  # warm every path
-            phase(url, script, args.connections, 2, pid)
+        script.write_text(WRK_FIXED % {"body": json.dumps(json.dumps(body))}, encoding="utf-8")
+        for router in routers:  # warm every path
+            phase(router, script, args.connections, 2)
         for round_index in range(args.rounds):
             shift = round_index % max(len(routers), 1)
-            for name, url, pid in routers[shift:] + routers[:shift]:
-                result = phase(url, script, args.connections, args.seconds, pid)
-                rows.setdefault(name, []).append(result)
+            for router in routers[shift:] + routers[:shift]:
+                result = phase(router, script, args.connections, args.seconds)
+                rows.setdefault(router.name, []).append(result)
                 answered, user, system, failed = result
-                say(f"round {round_index + 1}/{args.rounds}: {name}: {answered} streams, "
+                say(f"round {round_index + 1}/{args.rounds}: {router.name}: {answered} streams, "
                     f"{(user + system) / max(answered * args.tokens, 1) * 1e6:.1f} us/token"
                     + (f", {failed} failed" if failed else ""))
     table = Table(title=f"CPU per relayed token: {args.tokens}-token streams, "
                         f"a token every {args.token_interval_ms:g} ms, "
                         f"{args.connections} in flight, {args.rounds} x {args.seconds:g} s per router")
-    table.add_column("router", no_wrap=True)
+    table.add_column("router", no_wrap=True, min_width=25)
     for column in ("streams", "failed", "CPU us/token", "user / system us/token", "CPU us/request"):
-        table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right")
     lines = []
     for name, results in rows.items():
         answered = sum(r[0] for r in results)

@@ -141,6 +141,14 @@ _WRK_NON_2XX = re.compile(r"Non-2xx or 3xx responses: (\d+)")
 _WRK_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 
 
+def wrk_counts(out: str) -> tuple[int, int]:
+    """(requests answered 2xx/3xx, requests failed: other statuses and socket errors) from wrk's output."""
+    total = int(_WRK_REQUESTS.search(out).group(1)) if _WRK_REQUESTS.search(out) else 0
+    bad = int(_WRK_NON_2XX.search(out).group(1)) if _WRK_NON_2XX.search(out) else 0
+    errors = sum(map(int, _WRK_ERRORS.search(out).groups())) if _WRK_ERRORS.search(out) else 0
+    return total - bad, bad + errors
+
+
 def saturate(router: Router, workload: str, settings: Settings, scripts: dict[str, Path], loadgen: LoadgenProcess,
              offset: int) -> None:
     """One closed-loop phase at `connections` in flight; adds the router's CPU and answers."""
@@ -153,11 +161,7 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
         if workload == "unique":
             argv += ["--", str(offset)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=settings.saturation_s + 60)
-        out = done.stdout
-        total = int(_WRK_REQUESTS.search(out).group(1)) if _WRK_REQUESTS.search(out) else 0
-        bad = int(_WRK_NON_2XX.search(out).group(1)) if _WRK_NON_2XX.search(out) else 0
-        errors = sum(map(int, _WRK_ERRORS.search(out).groups())) if _WRK_ERRORS.search(out) else 0
-        served, failed = total - bad, bad + errors
+        served, failed = wrk_counts(done.stdout)
     else:
         count = int(settings.saturation_s * 2000)
         bodies = ([body(False)] if workload == "fixed" else

@@ -23,6 +23,7 @@ import structlog
 
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
+from observability.request_log import ms
 from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
 from routing.load import LoadModel, LoadTracker
@@ -403,7 +404,7 @@ def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -
     fresh_after_s = now - tracker.model.stale_after_s
     return dict(zip(candidates, [
         EstimateLog(load.waiting, load.pending_prefill_tokens, load.decoding, int(in_flight),
-                    round(delay_s * 1e6) / 1000, load.scraped.at_s >= fresh_after_s)  # ms(), inline
+                    ms(delay_s), load.scraped.at_s >= fresh_after_s)
         for in_flight, delay_s, load in zip(loads, delays, map(loads_of.__getitem__, candidates))]))
 
 

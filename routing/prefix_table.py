@@ -186,7 +186,7 @@ class PrefixTable:
         return list(self._index)
 
     def capacity(self, replica: str) -> int:
-        return len(self._rings[replica].hashes)
+        return self._capacities[replica]
 
     def capacities(self, replicas: Sequence[str]) -> list[int]:
         """capacity() of each replica, in one call."""
