@@ -23,10 +23,9 @@ import structlog
 
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
-from observability.request_log import ms
 from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.hashing import block_hashes
-from routing.load import LoadModel, LoadTracker
+from routing.load import EstimateLog, LoadModel, LoadTracker
 from routing.prefix_table import as_block_keys
 
 log = structlog.get_logger("kvgate.router")
@@ -378,34 +377,14 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-class EstimateLog(msgspec.Struct, gc=False):
-    """One candidate's load estimate in the record (`routing.load_estimate`), as the policy saw
-    it: made when the decision is (its __init__ in C), encoded as the JSON object of these fields."""
-    waiting: int
-    pending_prefill_tokens: int
-    decoding: int
-    in_flight: int
-    queue_delay_ms: float
-    scraped_fresh: bool
-
-
 def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog]:
     """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
-    try is counted right after this): the in-flight counts and queueing delays the policy kept,
-    else one pass of the tracker, with the counts behind them."""
-    tracker = state.tracker
+    try is counted right after this): the records the policy's pass of the tracker made, else
+    one pass of the tracker now."""
     figures = getattr(decision, "loads_and_delays", None)
-    if figures is not None:
-        now, loads, delays = figures
-    else:
-        now = state.clock()
-        loads, delays = tracker.loads_and_delays(candidates, now)
-    loads_of = tracker.replicas  # loads_and_delays made each one that was missing
-    fresh_after_s = now - tracker.model.stale_after_s
-    return dict(zip(candidates, [
-        EstimateLog(load.waiting, load.pending_prefill_tokens, load.decoding, int(in_flight),
-                    ms(delay_s), load.scraped.at_s >= fresh_after_s)
-        for in_flight, delay_s, load in zip(loads, delays, map(loads_of.__getitem__, candidates))]))
+    if figures is not None and len(figures) > 3:
+        return dict(zip(candidates, figures[3]))
+    return dict(zip(candidates, state.tracker.loads_and_delays(candidates, state.clock(), estimates=True)[2]))
 
 
 def _averaged(averages: dict[str, tuple[float, int]], key: str, sample: float) -> tuple[float, int]:

@@ -14,6 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import msgspec
+
+try:  # routing/_decision.c: the per-candidate loop in C
+    from routing._decision import loads_and_delays as _native_loads_and_delays
+except ImportError:  # built without a C compiler: the Python loop below
+    _native_loads_and_delays = None
+NATIVE = True  # False: the Python loop even where the C one was built (tests compare the two)
+
 # metric sample name -> field of ScrapedLoad (vLLM and SGLang spellings)
 _SCRAPED = {
     "vllm:num_requests_waiting": "waiting",
@@ -99,6 +107,18 @@ class ReplicaLoad:
     # ticket -> block hashes of our requests in flight here: what the balance guard asks when a
     # prompt would follow this replica's cache ("is that cached prefix already running here?")
     running_prompts: dict[int, Sequence[int]] = field(default_factory=dict)
+
+
+class EstimateLog(msgspec.Struct, gc=False):
+    """One candidate's load estimate in the request record (`routing.load_estimate`), as the
+    policy saw it: made with the decision (loads_and_delays(..., estimates=True), in C where
+    routing/_decision.c was built), encoded as the JSON object of these fields."""
+    waiting: int
+    pending_prefill_tokens: int
+    decoding: int
+    in_flight: int
+    queue_delay_ms: float  # to the microsecond, as observability.request_log.ms gives it
+    scraped_fresh: bool
 
 
 @dataclass(frozen=True)
@@ -286,15 +306,23 @@ class LoadTracker:
         200 ms ago is not 250 ms of work ahead any more."""
         return self.loads_and_delays((replica,), now)[1][0]
 
-    def loads_and_delays(self, replicas, now: float) -> tuple[list[float], list[float]]:
+    def loads_and_delays(self, replicas, now: float, estimates: bool = False) -> tuple[list, ...]:
         """(in_flight, queue_delay_s) of each replica, in one pass: a policy's per-decision loop
-        over its candidates (plain attribute reads and arithmetic, ~0.5 us a replica)."""
+        over its candidates (plain attribute reads and arithmetic, ~0.5 us a replica); with
+        `estimates`, a third list: each one's EstimateLog for the request record."""
         m = self.model
         stale_after_s, configured_rate = m.stale_after_s, m.prefill_tokens_per_s
         step_base_s, step_per_seq_s = m.decode_step_base_s, m.decode_step_s_per_seq
+        if _native_loads_and_delays is not None and NATIVE:
+            out = _native_loads_and_delays(self.replicas, replicas, now, stale_after_s, configured_rate,
+                                           step_base_s, step_per_seq_s, EstimateLog if estimates else None)
+            if out is not None:  # else a replica not tracked yet: the loop below adds it
+                return out
         get = self.replicas.get
         loads: list[float] = []
         delays: list[float] = []
+        records: list[EstimateLog] = []
+        fresh_after_s = now - stale_after_s
         for replica in replicas:
             load = get(replica) or self._get(replica)
             tokens_per_s = load.prefill_tokens_per_s or configured_rate
@@ -317,10 +345,14 @@ class LoadTracker:
             loads.append(in_flight)
             # Prefill work ahead, interleaved with the running batch's decode steps.
             scale = load.decode_step_scale
-            delays.append(pending_tokens / tokens_per_s
-                          + ((step_base_s + step_per_seq_s * running) * (1.0 if scale is None else scale)
-                             if running else 0.0))
-        return loads, delays
+            delay = (pending_tokens / tokens_per_s
+                     + ((step_base_s + step_per_seq_s * running) * (1.0 if scale is None else scale)
+                        if running else 0.0))
+            delays.append(delay)
+            if estimates:
+                records.append(EstimateLog(waiting, load.pending_prefill_tokens, load.decoding, int(in_flight),
+                                           round(delay * 1e6) / 1000, scraped.at_s >= fresh_after_s))
+        return (loads, delays, records) if estimates else (loads, delays)
 
     def estimate(self, replica: str, now: float) -> LoadEstimate:
         load = self._get(replica)

@@ -24,6 +24,12 @@ import xxhash
 
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
 
+try:  # routing/_decision.c: cache_aware's per-candidate scores in C
+    from routing._decision import scores as _native_scores
+except ImportError:  # built without a C compiler: the comprehension in choose()
+    _native_scores = None
+NATIVE = True  # False: the comprehension even where the C one was built (tests compare the two)
+
 
 def _loads(state: RoutingState, candidates: Sequence[str], now: float) -> dict[str, float]:
     return {name: state.tracker.in_flight(name, now) for name in candidates}
@@ -165,7 +171,7 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
     table: Any  # for commit(): where the guess goes
     hashes: Any
     _shared_prefix: bool = False  # the deepest match was a shared prefix too small to steer
-    loads_and_delays: Any = None  # (now, loads, delays) the tracker gave choose(): the record's load estimate
+    loads_and_delays: Any = None  # (now, loads, delays, EstimateLogs) of choose()'s pass: the record's estimate
     policy = "cache_aware"
 
     @property
@@ -294,7 +300,7 @@ class CacheAware:
         table = state.tables.get(request.model) or state.table(request.model)
         n_blocks = len(hashes)
         matched = table.match_lengths(hashes, now, candidates) if n_blocks else [0] * len(candidates)
-        loads, delays = tracker.loads_and_delays(candidates, now)
+        loads, delays, estimates = tracker.loads_and_delays(candidates, now, estimates=True)
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1
@@ -316,10 +322,14 @@ class CacheAware:
         least = min(loads)
         strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
         follow_cap = max(self.balance_factor * mean_after + self.follow_slack - 1, least + self.follow_abs_slack)
-        # Scores in one comprehension (~0.3 us a candidate); the guard's per-candidate test only
-        # when it binds (some candidate over the bound and not among the least loaded).
-        scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
-                  + queue_weight * delay for blocks, delay in zip(matched, delays)]
+        # Scores in one C call (else one comprehension, ~0.3 us a candidate); the guard's
+        # per-candidate test only when it binds (some candidate over the bound and not among the
+        # least loaded).
+        if _native_scores is not None and NATIVE:
+            scores = _native_scores(matched, delays, prompt_tokens, block, min_match, per_token_s, queue_weight)
+        else:
+            scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
+                      + queue_weight * delay for blocks, delay in zip(matched, delays)]
         bound = max(strict_cap, least)  # the least loaded are always allowed
         # The guard bounds following a cache. With nothing cached to follow anywhere, the scores
         # are prefill and queueing alone and already weigh the load: bounding the request count
@@ -352,7 +362,8 @@ class CacheAware:
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
         return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                  allowed, why, self.balance_factor, table, hashes, shared_prefix, (now, loads, delays))
+                                  allowed, why, self.balance_factor, table, hashes, shared_prefix,
+                                  (now, loads, delays, estimates))
 
     def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int,
                    holding: bool = False) -> tuple[int, str]:

@@ -1,5 +1,20 @@
-"""Load tracker: own accounting, scraped metrics with a staleness bound, Prometheus parsing."""
+"""Load tracker: own accounting, scraped metrics with a staleness bound, Prometheus parsing.
+Every test runs on the C estimate (routing/_decision.c) and on the Python loop."""
+import random
+
+import msgspec
+import pytest
+
+from routing import load
 from routing.load import LoadModel, LoadTracker, parse_load_metrics
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def estimate_loop(request, monkeypatch):
+    if request.param == "C" and load._native_loads_and_delays is None:
+        pytest.skip("routing/_decision.c not built")
+    monkeypatch.setattr(load, "NATIVE", request.param == "C")
+    return request.param
 
 VLLM = """# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="m"} 3.0
@@ -202,3 +217,63 @@ def test_the_line_scan_reads_what_prometheus_clients_parser_reads_from_a_real_ex
     got = parse_load_metrics(page)
     assert (got.waiting, got.running, got.kv_cache_usage) == (expected["waiting"], expected["running"], expected["kv"])
     assert (got.waiting, got.running, got.kv_cache_usage) == (9, 5, 0.75)
+
+
+def test_the_c_estimate_equals_the_python_loop_to_the_bit(estimate_loop):
+    """Requests routed, prefilled and finished, scrapes fresh and stale, learned rates and step
+    scales, at random times: the C loop's loads, delays and log records are the Python loop's,
+    value and type (an int load stays an int in the decision's log), for every candidate list asked."""
+    if estimate_loop != "C":
+        pytest.skip("compares the C loop with the Python one")
+    rng = random.Random(11)
+    now = [0.0]
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=3000, decode_step_base_s=0.01, decode_step_s_per_seq=0.002,
+                                    stale_after_s=2.0), clock=lambda: now[0])
+    names = ["a", "b", "c", "d"]
+    live: list[tuple[str, int, int, bool]] = []  # (replica, prompt tokens, ticket, decoding)
+    compared = 0
+    for _ in range(4000):
+        now[0] += rng.choice((0.0, 0.001, 0.05, 0.3))
+        step = rng.random()
+        replica = rng.choice(names)
+        if step < 0.3:
+            prompt = rng.randint(1, 4000)
+            live.append((replica, prompt, tracker.on_routed(replica, prompt, rng.choice((0, prompt // 2))), False))
+        elif step < 0.5 and live:
+            i = rng.randrange(len(live))
+            name, prompt, ticket, decoding = live[i]
+            if not decoding:
+                tracker.on_first_token(name, prompt, 0)
+                live[i] = (name, prompt, ticket, True)
+        elif step < 0.7 and live:
+            name, prompt, ticket, decoding = live.pop(rng.randrange(len(live)))
+            tracker.on_finished(name, prompt, 0, started_decoding=decoding, ticket=ticket)
+        elif step < 0.8:
+            window = tracker.scrape_window(replica)
+            page = VLLM.replace("3.0", f"{rng.randint(0, 6)}.0").replace("5.0", f"{rng.randint(0, 9)}.0")
+            tracker.on_scrape(replica, parse_load_metrics(page), now=now[0], window=rng.choice((window, None)))
+        elif step < 0.85:
+            tracker.set_prefill_rate(replica, rng.choice((None, 500.0, 12000.0)))
+        elif step < 0.9:
+            tracker.set_decode_step_scale(replica, rng.choice((None, 0.5, 3.0)))
+        asked = rng.sample(names, rng.randint(1, len(names)))
+        at = now[0] + rng.choice((0.0, 0.2, 5.0))
+        load.NATIVE = True
+        native = tracker.loads_and_delays(asked, at, estimates=True)
+        assert tracker.loads_and_delays(asked, at) == native[:2]
+        load.NATIVE = False
+        python = tracker.loads_and_delays(asked, at, estimates=True)
+        assert [(type(x), x) for x in native[0]] == [(type(x), x) for x in python[0]]
+        assert [(type(x), x) for x in native[1]] == [(type(x), x) for x in python[1]]
+        assert [[(type(v), v) for v in msgspec.structs.astuple(e)] for e in native[2]] == \
+            [[(type(v), v) for v in msgspec.structs.astuple(e)] for e in python[2]]
+        compared += 1
+    assert compared == 4000
+
+
+def test_a_replica_not_tracked_yet_is_added_and_estimated_idle():
+    tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000))
+    tracker.on_routed("a", prompt_tokens=500)
+    loads, delays = tracker.loads_and_delays(("a", "new"), 0.0)
+    assert loads == [1, 0] and delays[1] == 0.0 and delays[0] > 0
+    assert "new" in tracker.replicas

@@ -2,6 +2,7 @@
 import heapq
 import random
 
+import msgspec
 import pytest
 
 from routing import POLICIES, Attempt, RouteRequest, RoutingState, make_policy
@@ -326,3 +327,47 @@ def test_an_agents_own_history_steers_however_small_but_a_shared_prefix_does_not
     step = agent + [8000 + i for i in range(25 * 16)]  # a long tool output: 21 of 46 blocks cached
     decision = policy.choose(REPLICAS, _request(step))
     assert decision.replica == "r3" and decision.matched_blocks["r3"] == 21, decision.as_log()
+
+
+def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(monkeypatch):
+    """Hot and new prefixes under Poisson load, scrapes of traffic from elsewhere, a learned
+    prefill rate: every decision (replica, scores, loads, matched blocks, the logged estimate) is
+    the same whether routing/_decision.c's loops or the Python ones made it."""
+    from routing import load, policies
+
+    if load._native_loads_and_delays is None or policies._native_scores is None:
+        pytest.skip("routing/_decision.c not built")
+
+    def run(native: bool) -> list:
+        monkeypatch.setattr(load, "NATIVE", native)
+        monkeypatch.setattr(policies, "NATIVE", native)
+        clock = Clock()
+        state = _state(REPLICAS, clock)
+        policy = make_policy("cache_aware", {}, state)
+        rng = random.Random(5)
+        prompts = [list(range(g * 10_000, g * 10_000 + 300 + 200 * g)) for g in range(4)]
+        running: list[tuple[float, int, Attempt]] = []
+        seen = []
+        for n in range(1500):
+            clock.now += rng.expovariate(8.0)
+            while running and running[0][0] <= clock.now:
+                heapq.heappop(running)[2].finish(None, precise=False)
+            if n % 97 == 0:
+                scraped = load.ScrapedLoad(waiting=rng.randint(0, 3), running=rng.randint(0, 5))
+                state.tracker.on_scrape(rng.choice(REPLICAS), scraped, clock.now)
+            if n == 700:
+                for name in REPLICAS:
+                    state.tracker.set_prefill_rate(name, 5000.0)
+            tokens = prompts[rng.randrange(4)] + [rng.randrange(50_000, 60_000) for _ in range(rng.randrange(1, 90))]
+            attempt = _route(policy, state, REPLICAS, _request(tokens))
+            if rng.random() < 0.7:
+                attempt.first_token()
+            heapq.heappush(running, (clock.now + rng.uniform(0.1, 1.5), n, attempt))
+            decision = attempt.decision
+            seen.append((decision.replica, decision._scores, decision._loads, decision._matched,
+                         decision.reason, [msgspec.structs.astuple(e) for e in decision.loads_and_delays[3]]))
+        return seen
+
+    native, python = run(True), run(False)
+    assert native == python
+    assert len({replica for replica, *_ in native}) == len(REPLICAS)  # the traffic spread: every path ran

@@ -1,0 +1,279 @@
+/* A routing decision's per-candidate loops in C: the load estimate (routing/load.py,
+   LoadTracker.loads_and_delays) and cache_aware's scores (routing/policies.py).
+
+   loads_and_delays(replicas, names, now, stale_after_s, configured_rate, step_base_s, step_per_seq_s
+                    [, estimate]) -> (loads, delays[, estimates]) | None
+
+   `replicas` is the tracker's dict of ReplicaLoad by name; None when one of `names` has none yet
+   (the Python loop then makes it). The same arithmetic as the Python loop, in the same order, on
+   the same doubles: equal results to the bit (tests compare the two), ints where it gives ints (a
+   load with no traffic from elsewhere stays an int in the decision's log). A decision reads ~10
+   fields of each candidate: ~90 Python opcodes a candidate against a few attribute reads here.
+   With `estimate` (routing/load.py EstimateLog) it also makes each candidate's record of the
+   estimate, the request log's `routing.load_estimate`, as the Python loop does. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+static PyObject *s_prefill_tokens_per_s, *s_pending_prefill_tokens, *s_backlog_at, *s_backlog_tokens,
+    *s_waiting, *s_decoding, *s_scraped, *s_extra, *s_at_s, *s_decode_step_scale;
+
+/* obj.name as a double; -1 with an exception set on failure. */
+static int read_double(PyObject *obj, PyObject *name, double *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    *out = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* obj.name as a C long (an int field); -1 with an exception set on failure. */
+static int read_long(PyObject *obj, PyObject *name, long *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    *out = PyLong_AsLong(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* An optional float field: 0 and *present = 0 for None. */
+static int read_optional(PyObject *obj, PyObject *name, double *out, int *present) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    if (value == Py_None) {
+        *present = 0;
+        *out = 0.0;
+        Py_DECREF(value);
+        return 0;
+    }
+    *present = 1;
+    *out = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* estimate(waiting, pending_prefill_tokens, decoding, int(in_flight), ms(delay), scraped fresh):
+   the record's view of one candidate (routing/load.py EstimateLog), as the Python loop makes it.
+   ms() is round(seconds * 1e6) / 1000: nearbyint rounds half to even as round() does. */
+static int estimate_record(PyObject *load, PyObject *scraped, double fresh_after_s, PyObject *estimate,
+                           long in_flight, double delay, PyObject **out) {
+    double at_s;
+    if (read_double(scraped, s_at_s, &at_s) < 0) return -1;
+    PyObject *args[6] = {PyObject_GetAttr(load, s_waiting), PyObject_GetAttr(load, s_pending_prefill_tokens),
+                         PyObject_GetAttr(load, s_decoding), PyLong_FromLong(in_flight),
+                         PyFloat_FromDouble(nearbyint(delay * 1e6) / 1000.0), NULL};
+    args[5] = at_s >= fresh_after_s ? Py_True : Py_False;
+    Py_INCREF(args[5]);
+    *out = NULL;
+    int ok = 1;
+    for (int i = 0; i < 6; i++) ok = ok && args[i] != NULL;
+    if (ok) *out = PyObject_Vectorcall(estimate, args, 6, NULL);
+    for (int i = 0; i < 6; i++) Py_XDECREF(args[i]);
+    return *out == NULL ? -1 : 0;
+}
+
+static int one(PyObject *load, double now, double stale_after_s, double configured_rate, double step_base_s,
+               double step_per_seq_s, PyObject *estimate, PyObject **in_flight_out, double *delay_out,
+               PyObject **estimate_out) {
+    double tokens_per_s, own_rate;
+    int has_rate;
+    if (read_optional(load, s_prefill_tokens_per_s, &own_rate, &has_rate) < 0) return -1;
+    tokens_per_s = (has_rate && own_rate != 0.0) ? own_rate : configured_rate;  /* `rate or configured` */
+    double pending;
+    if (read_double(load, s_pending_prefill_tokens, &pending) < 0) return -1;
+    if (pending != 0.0) {
+        double backlog_at, backlog_tokens;
+        if (read_double(load, s_backlog_at, &backlog_at) < 0 || read_double(load, s_backlog_tokens, &backlog_tokens) < 0)
+            return -1;
+        double elapsed = now - backlog_at;
+        double left = elapsed > 0 ? backlog_tokens - elapsed * tokens_per_s : backlog_tokens;
+        if (left < pending) pending = left > 0.0 ? left : 0.0;
+    }
+    long waiting, running;
+    if (read_long(load, s_waiting, &waiting) < 0 || read_long(load, s_decoding, &running) < 0) return -1;
+    long in_flight = waiting + running;
+    int as_float = 0;
+    double in_flight_f = 0.0;
+    PyObject *scraped = PyObject_GetAttr(load, s_scraped);
+    if (scraped == NULL) return -1;
+    PyObject *extra = PyObject_GetAttr(scraped, s_extra);
+    if (extra == NULL) {
+        Py_DECREF(scraped);
+        return -1;
+    }
+    if (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) != 2) {
+        Py_DECREF(extra);
+        Py_DECREF(scraped);
+        PyErr_SetString(PyExc_TypeError, "ScrapedLoad.extra must be a (waiting, running) tuple");
+        return -1;
+    }
+    double extra_waiting = PyFloat_AsDouble(PyTuple_GET_ITEM(extra, 0));
+    double extra_running = PyFloat_AsDouble(PyTuple_GET_ITEM(extra, 1));
+    Py_DECREF(extra);
+    if (PyErr_Occurred()) {
+        Py_DECREF(scraped);
+        return -1;
+    }
+    if (extra_waiting != 0.0 || extra_running != 0.0) {
+        double at_s;
+        int failed = read_double(scraped, s_at_s, &at_s);
+        if (failed < 0) {
+            Py_DECREF(scraped);
+            return -1;
+        }
+        if (now - at_s <= stale_after_s) {
+            /* Traffic we did not route: its waiting requests as long as ours on average. */
+            in_flight_f = (double)in_flight + (extra_waiting + extra_running);
+            as_float = 1;
+            if (extra_waiting != 0.0)
+                pending += extra_waiting * (waiting ? pending / (double)waiting : 512.0);
+            running += (long)extra_running;
+        }
+    }
+    double scale;
+    int has_scale;
+    if (read_optional(load, s_decode_step_scale, &scale, &has_scale) < 0) {
+        Py_DECREF(scraped);
+        return -1;
+    }
+    double steps = running ? (step_base_s + step_per_seq_s * (double)running) * (has_scale ? scale : 1.0) : 0.0;
+    *delay_out = pending / tokens_per_s + steps;
+    *in_flight_out = as_float ? PyFloat_FromDouble(in_flight_f) : PyLong_FromLong(in_flight);
+    if (*in_flight_out == NULL) {
+        Py_DECREF(scraped);
+        return -1;
+    }
+    if (estimate != NULL && estimate_record(load, scraped, now - stale_after_s, estimate,
+                                            as_float ? (long)in_flight_f : in_flight, *delay_out, estimate_out) < 0) {
+        Py_DECREF(scraped);
+        Py_CLEAR(*in_flight_out);
+        return -1;
+    }
+    Py_DECREF(scraped);
+    return 0;
+}
+
+static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if ((nargs != 7 && nargs != 8) || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "loads_and_delays(replicas: dict, names, now, stale_after_s, "
+                                         "configured_rate, step_base_s, step_per_seq_s[, estimate])");
+        return NULL;
+    }
+    PyObject *replicas = args[0];
+    PyObject *estimate = nargs == 8 && args[7] != Py_None ? args[7] : NULL;
+    PyObject *names = PySequence_Fast(args[1], "names must be a sequence");
+    if (names == NULL) return NULL;
+    double params[5];
+    for (int i = 0; i < 5; i++) {
+        params[i] = PyFloat_AsDouble(args[2 + i]);
+        if (params[i] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(names);
+            return NULL;
+        }
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(names);
+    PyObject **items = PySequence_Fast_ITEMS(names);
+    PyObject *loads = PyList_New(n), *delays = PyList_New(n), *estimates = estimate ? PyList_New(n) : NULL;
+    PyObject *out = NULL;
+    if (loads == NULL || delays == NULL || (estimate && estimates == NULL)) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *load = PyDict_GetItemWithError(replicas, items[i]);  /* borrowed */
+        if (load == NULL) {
+            if (!PyErr_Occurred()) out = Py_NewRef(Py_None);  /* not tracked yet: the Python loop adds it */
+            goto done;
+        }
+        PyObject *in_flight, *record = NULL;
+        double delay;
+        if (one(load, params[0], params[1], params[2], params[3], params[4], estimate, &in_flight, &delay,
+                &record) < 0)
+            goto done;
+        PyList_SET_ITEM(loads, i, in_flight);
+        if (estimates) PyList_SET_ITEM(estimates, i, record);
+        PyObject *d = PyFloat_FromDouble(delay);
+        if (d == NULL) goto done;
+        PyList_SET_ITEM(delays, i, d);
+    }
+    out = estimates ? PyTuple_Pack(3, loads, delays, estimates) : PyTuple_Pack(2, loads, delays);
+done:
+    Py_DECREF(names);
+    Py_XDECREF(loads);
+    Py_XDECREF(delays);
+    Py_XDECREF(estimates);
+    return out;
+}
+
+/* scores(matched, delays, prompt_tokens, block, min_match, per_token_s, queue_weight) -> list
+
+   cache_aware's score of each candidate, as its comprehension computes it:
+   per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
+   + queue_weight * delay, the uncached count in integers, then the same two products and sum. */
+static PyObject *scores(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "scores(matched, delays, prompt_tokens, block, min_match, per_token_s, "
+                                         "queue_weight)");
+        return NULL;
+    }
+    long long prompt_tokens = PyLong_AsLongLong(args[2]), block = PyLong_AsLongLong(args[3]),
+              min_match = PyLong_AsLongLong(args[4]);
+    double per_token_s = PyFloat_AsDouble(args[5]), queue_weight = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *matched = PySequence_Fast(args[0], "matched must be a sequence");
+    if (matched == NULL) return NULL;
+    PyObject *delays = PySequence_Fast(args[1], "delays must be a sequence");
+    if (delays == NULL) {
+        Py_DECREF(matched);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(matched);
+    PyObject *out = NULL;
+    if (PySequence_Fast_GET_SIZE(delays) != n) {
+        PyErr_SetString(PyExc_ValueError, "matched and delays differ in length");
+        goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long blocks = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(matched, i));
+        double delay = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(delays, i));
+        if (PyErr_Occurred()) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        long long uncached = blocks >= min_match ? prompt_tokens - blocks * block : prompt_tokens;
+        PyObject *score = PyFloat_FromDouble(per_token_s * (double)uncached + queue_weight * delay);
+        if (score == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, score);
+    }
+done:
+    Py_DECREF(matched);
+    Py_DECREF(delays);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"loads_and_delays", (PyCFunction)(void (*)(void))loads_and_delays, METH_FASTCALL,
+     "(in_flight, queue_delay_s[, estimate records]) of each named replica; None if one is not tracked yet."},
+    {"scores", (PyCFunction)(void (*)(void))scores, METH_FASTCALL, "cache_aware's score of each candidate."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decision", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__decision(void) {
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_prefill_tokens_per_s, "prefill_tokens_per_s");
+    INTERN(s_pending_prefill_tokens, "pending_prefill_tokens");
+    INTERN(s_backlog_at, "backlog_at");
+    INTERN(s_backlog_tokens, "backlog_tokens");
+    INTERN(s_waiting, "waiting");
+    INTERN(s_decoding, "decoding");
+    INTERN(s_scraped, "scraped");
+    INTERN(s_extra, "extra");
+    INTERN(s_at_s, "at_s");
+    INTERN(s_decode_step_scale, "decode_step_scale");
+#undef INTERN
+    return PyModule_Create(&module);
+}
