@@ -17,6 +17,9 @@ under the temp dir), for a before/after ratio of a change.
 
     .venv/bin/python -m bench.request_cost [--counter instructions|opcodes] [--against REV] [--quick]
 
+With the opcodes counter, REQUEST_COST_TOP=N lists the N functions that execute the most (15)
+and REQUEST_COST_BY_LINE=1 counts per source line instead (where inside a function they go).
+
 instructions needs valgrind on PATH (apt-get install valgrind); the counted gateway runs ~50x
 slower under it, so a figure takes about a minute. Ends with `figure <name>: <value>` lines.
 """
@@ -60,9 +63,10 @@ _OPCODES_PRELUDE = """
 import asyncio, collections, os
 _flag, _out = {flag!r}, {out!r}
 _ops, _calls = collections.Counter(), collections.Counter()
+_by_line = {by_line!r}
 def _local(frame, event, arg):
     if event == "opcode":
-        _ops[frame.f_code] += 1
+        _ops[(frame.f_code, frame.f_lineno) if _by_line else frame.f_code] += 1
     return _local
 def _tracer(frame, event, arg):
     if event != "call":
@@ -79,8 +83,9 @@ async def _watch():
         elif on and not os.path.exists(_flag):
             sys.settrace(None); on = False
             with open(_out + ".part", "w") as f:
-                for code, n in _ops.most_common():
-                    f.write(f"{{n}}\\t{{_calls[code]}}\\t{{code.co_name}}\\t{{os.path.basename(code.co_filename)}}:{{code.co_firstlineno}}\\n")
+                for key, n in _ops.most_common():
+                    code, line = key if _by_line else (key, key.co_firstlineno)
+                    f.write(f"{{n}}\\t{{_calls[code]}}\\t{{code.co_name}}\\t{{os.path.basename(code.co_filename)}}:{{line}}\\n")
             os.replace(_out + ".part", _out)
 _run = asyncio.Runner.run
 def _run_watched(self, coro, **kwargs):
@@ -131,7 +136,9 @@ def counted_gateway(tree: Path, config: Path, port: int, counter: str, directory
     """The gateway of source tree `tree` on `port`, under the counter, once its replicas are ready;
     yields (process, the opcode counter's flag and output files)."""
     flag, out = directory / "opcodes.on", directory / "opcodes.txt"
-    prelude = _OPCODES_PRELUDE.format(flag=str(flag), out=str(out)) if counter == "opcodes" else ""
+    by_line = os.environ.get("REQUEST_COST_BY_LINE") == "1"  # opcodes per source line, not per function
+    prelude = (_OPCODES_PRELUDE.format(flag=str(flag), out=str(out), by_line=by_line) if counter == "opcodes"
+               else "")
     argv = [sys.executable, "-c", _LAUNCH.format(tree=str(tree), config=str(config), prelude=prelude)]
     if counter == "instructions":
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={directory / 'callgrind.out'}"] + argv
