@@ -219,12 +219,10 @@ def test_the_line_scan_reads_what_prometheus_clients_parser_reads_from_a_real_ex
     assert (got.waiting, got.running, got.kv_cache_usage) == (9, 5, 0.75)
 
 
-def test_the_c_estimate_equals_the_python_loop_to_the_bit(estimate_loop):
+def test_the_c_estimate_equals_the_python_loop_to_the_bit():
     """Requests routed, prefilled and finished, scrapes fresh and stale, learned rates and step
     scales, at random times: the C loop's loads, delays and log records are the Python loop's,
     value and type (an int load stays an int in the decision's log), for every candidate list asked."""
-    if estimate_loop != "C":
-        pytest.skip("compares the C loop with the Python one")
     rng = random.Random(11)
     now = [0.0]
     tracker = LoadTracker(LoadModel(prefill_tokens_per_s=3000, decode_step_base_s=0.01, decode_step_s_per_seq=0.002,
