@@ -93,19 +93,37 @@ class Answer(msgspec.Struct, eq=False):
         out in one write (token IDs cut out of the whole batch at once when the client did not
         ask for them). `last`: the replica's answer ended with this read, so when it is complete
         the write waits for the stream's end to go out with it."""
+        out: list[bytes] = []
+        try:
+            self._take_events(events, out)
+        finally:
+            if out and self.spec.stream:
+                await self.exchange.write(self._for_client(out), hold=last and self.finish_reason is not None)
+
+    def on_events_now(self, events: list[bytes]) -> bool:
+        """on_events for an exchange that writes without waiting (Exchange.pushes), called from the
+        replica connection's data_received for a read that does not end the answer: True when the
+        client's buffer is full (drain first)."""
+        out: list[bytes] = []
+        full = False
+        try:
+            self._take_events(events, out)
+        finally:
+            if out and self.spec.stream:
+                full = self.exchange.write_now(self._for_client(out))
+        return full
+
+    def _take_events(self, events: list[bytes], out: list[bytes]) -> None:
         try:
             kept, chunks = decode_events(events)
         except MalformedEvent as exc:
             raise InBandError(f"malformed stream event: {exc}"[:300]) from None
-        out: list[bytes] = []
-        try:
-            self._on_chunks(kept, chunks, time.perf_counter(), out)
-        finally:
-            if out and self.spec.stream:
-                data = b"\n\n".join(out) + b"\n\n"
-                if not self.spec.wants_token_ids:
-                    data = strip_token_ids(data)
-                await self.exchange.write(data, hold=last and self.finish_reason is not None)
+        self._on_chunks(kept, chunks, time.perf_counter(), out)
+
+    def _for_client(self, out: list[bytes]) -> bytes:
+        """A read's kept events as the client's bytes (token IDs cut when it did not ask for them)."""
+        data = b"\n\n".join(out) + b"\n\n"
+        return data if self.spec.wants_token_ids else strip_token_ids(data)
 
     def _on_chunks(self, events: list[bytes], chunks: list[Chunk], now: float, out: list[bytes]) -> None:
         """The chunks of one read, in order: the record and the answer learn from each, and `out`

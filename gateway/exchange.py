@@ -41,6 +41,17 @@ class Exchange:
         Held bytes never wait past the loop's next turn."""
         raise NotImplementedError
 
+    # An exchange that writes without waiting (the hot path's): a stream is relayed from the
+    # replica connection's data_received (gateway/proxy.py), write_now and drain in place of write.
+    pushes = False
+
+    def write_now(self, data: bytes, hold: bool = False) -> bool:
+        """write() without the wait: True when the client's buffer is full (drain() before more)."""
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        """Until the client's buffer has room again; ClientGone when it hung up."""
+
     async def close_stream(self, last: bytes = b"") -> None:
         """The stream's end, after `last` (its final events, sent with the end in one write; raises
         ClientGone like write() when they cannot be). Without `last`, a client that already hung up

@@ -263,17 +263,25 @@ class HotExchange(Exchange):
         else:
             self.conn.send(head)
 
+    pushes = True
+
     async def write(self, data: bytes, hold: bool = False) -> None:
+        if self.write_now(data, hold):
+            await self.conn.drain()
+
+    def write_now(self, data: bytes, hold: bool = False) -> bool:
         chunk = b"%x\r\n%b\r\n" % (len(data), data)
         if hold:
             self._hold(chunk)
-            return
+            return False
         conn = self.conn
         if self._held:
             chunk, self._held = self._held + chunk, b""
         conn.send(chunk)
-        if conn.write_paused:
-            await conn.drain()
+        return conn.write_paused
+
+    async def drain(self) -> None:
+        await self.conn.drain()
 
     async def close_stream(self, last: bytes = b"") -> None:
         held, self._held = self._held, b""

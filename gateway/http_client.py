@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from typing import Awaitable
+from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -239,6 +239,54 @@ class Response:
         """The whole body arrived and was read."""
         return self._conn.body_done
 
+    # ---- push mode: a stream relayed from the connection's data_received -------------------------
+    def push_to(self, handler: Callable[[bytes], None]) -> None:
+        """From now on each read of the body goes to `handler` as it arrives, inside the
+        connection's data_received, without waking the reader: a stream's relay, one call a token
+        instead of a task's wake-up. `handler` must not raise (it keeps its own failure and calls
+        wake()). What arrived before goes to it now. The reader waits with wait()."""
+        conn = self._conn
+        conn._push = handler
+        body = conn._body
+        if body and conn.error is None:
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            if conn._paused and not conn.lost:
+                conn._paused = False
+                conn.transport.resume_reading()
+            handler(data)
+
+    def wait(self, deadline: float | None) -> asyncio.Future:
+        """Push mode: a future done at the body's end, the connection's failure (`error`) or a
+        wake(); TimeoutError past `deadline` (loop time). Check `ended`, `error` and the handler's
+        own state before each wait: what happened before it does not wake it."""
+        return self._conn._wait(deadline)
+
+    def wake(self) -> None:
+        """Push mode: the handler needs the reader (its failure, the client's full buffer)."""
+        self._conn._wake()
+
+    @property
+    def ended(self) -> bool:
+        """Push mode: the body's end arrived (all of it went to the handler)."""
+        return self._conn._state == _DONE
+
+    @property
+    def error(self) -> BaseException | None:
+        """Push mode: why the answer cannot be read to its end (connection lost, unreadable)."""
+        return self._conn.error
+
+    def pause_reading(self) -> None:
+        """Push mode: stop reading from the replica (the client's buffer is full, or the relay failed)."""
+        conn = self._conn
+        if not conn.lost and conn.transport is not None:
+            conn.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        conn = self._conn
+        if not conn.lost and conn.transport is not None:
+            conn.transport.resume_reading()
+
     @property
     def body_at_hand(self) -> bool:
         """read_some() returns at once: body bytes (or the body's end) already arrived."""
@@ -249,6 +297,7 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        conn._push = None
         if conn.body_done:
             self._client._give_back(conn)
         else:
@@ -258,6 +307,7 @@ class Response:
         """Abandon the answer: the connection closes (the replica sees it and stops generating)."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            conn._push = None
             conn.close()
 
 
@@ -289,6 +339,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.status = 0
         self.headers: dict[str, str] = {}
+        self._push = None  # push mode (Response.push_to): each read of the body goes to it at once
 
     # ---- asyncio protocol ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -328,6 +379,16 @@ class _Connection(asyncio.Protocol):
             self.error = BadResponse(f"unreadable answer from the replica: {exc}")
             self._keep_alive = False
             self.transport.close()
+        push = self._push
+        if push is not None and self.error is None:  # a stream's relay: the reader waits for the end only
+            body = self._body
+            if body:
+                chunk = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                push(chunk)
+            if self._state == _DONE or self.error is not None:
+                self._wake()
+            return
         self._wake()
         body = self._body
         if len(body) > 64 and not self._paused and sum(map(len, body)) > _HIGH_WATER:
@@ -360,6 +421,7 @@ class _Connection(asyncio.Protocol):
     # ---- one exchange ----------------------------------------------------------------------------
     def send(self, head: bytes, body: bytes) -> None:
         self._state = _HEAD
+        self._push = None
         self._body.clear()
         self.got_bytes = False
         self.status = 0

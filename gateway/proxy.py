@@ -430,7 +430,6 @@ class Proxy:
         replica, without counting against this one); if none did, the replica is stalled."""
         record = answer.record
         loop = asyncio.get_running_loop()
-        itl_s = plan.inter_token_timeout_s
         first_deadline = min(plan.deadline, loop.time() + plan.ttft_timeout_s)
         upstream: Response | None = None
         finished = False
@@ -441,51 +440,11 @@ class Proxy:
             replica.last_progress_s = loop.time()
             exchange.no_delay()
             await answer.open_stream(hold=upstream.body_at_hand)
-            splitter = EventSplitter()
-            # Before the first token, wake every itl_s too: a replica that health checks took out
-            # of rotation meanwhile (frozen, its engine dead) loses the request at once.
-            wait_until = loop.time() + itl_s
-            decoding = attempt.started_decoding  # this loop is what starts it (attempt.first_token)
-            while not finished:
-                deadline = min(plan.deadline, wait_until)
-                try:
-                    # One wake-up per read from the replica, however many events it carries; the
-                    # deadline moves with each read once tokens flow (no timer per read).
-                    while data := await upstream.read_some(deadline):
-                        now = replica.last_progress_s = loop.time()
-                        events = splitter.feed(data)
-                        if events:
-                            await answer.on_events(events, last=upstream.complete)
-                        if not decoding and record.first_token_s is not None:
-                            attempt.first_token()  # prefilled: the load tracker now counts it decoding
-                            decoding = True
-                        if decoding:
-                            deadline = min(plan.deadline, now + itl_s)
-                    rest = splitter.flush()
-                    if rest:
-                        await answer.on_events(rest)
-                    finished = True
-                except TimeoutError:  # nothing was lost: what arrives stays for the next read
-                    now = loop.time()
-                    if now >= plan.deadline:
-                        raise TryFailed("request_timeout", UpstreamError(
-                            "The request did not finish within request_timeout_s.", status=504,
-                            code="upstream_timeout")) from None
-                    alive = now - replica.last_progress_s < itl_s
-                    if not attempt.started_decoding and not alive and replica.health.state == "healthy" \
-                            and now < first_deadline:
-                        wait_until = min(now + itl_s, first_deadline)  # a long prefill, maybe: its probes say so
-                        continue
-                    if not alive:
-                        what = ("stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
-                                if now >= first_deadline else f"no first token and {replica.health.state}")
-                        raise TryFailed(what, UpstreamError(f"Replica {replica.name} {what}.", status=504,
-                                                            code="upstream_timeout")) from None
-                    if not attempt.started_decoding and now >= first_deadline:
-                        raise TryFailed("slow: no first token within ttft_timeout_s", UpstreamError(
-                            f"Replica {replica.name} did not start the answer in time.", status=504,
-                            code="upstream_timeout"), counts_against_replica=False) from None
-                    wait_until = now + itl_s if attempt.started_decoding else min(now + itl_s, first_deadline)
+            if exchange.pushes:
+                await self._relay_pushed(exchange, replica, upstream, plan, answer, attempt, first_deadline)
+            else:
+                await self._relay_pulled(replica, upstream, plan, answer, attempt, first_deadline)
+            finished = True
         except TimeoutError:  # the request itself (connect + headers) took past the first deadline
             if loop.time() >= plan.deadline:
                 raise TryFailed("request_timeout", UpstreamError(
@@ -507,6 +466,98 @@ class Proxy:
         if not answer.complete:
             raise TryFailed("stream ended without a finish_reason", UpstreamError(
                 f"Replica {replica.name} ended the stream early.", code="upstream_disconnected"))
+
+    async def _relay_pulled(self, replica: ReplicaState, upstream: Response, plan: _Plan, answer: Answer,
+                            attempt: RoutedAttempt, first_deadline: float) -> None:
+        """The stream read by this task, one wake-up per read (an exchange that writes with a wait)."""
+        loop = asyncio.get_running_loop()
+        itl_s = plan.inter_token_timeout_s
+        record = answer.record
+        splitter = EventSplitter()
+        # Before the first token, wake every itl_s too: a replica that health checks took out
+        # of rotation meanwhile (frozen, its engine dead) loses the request at once.
+        wait_until = loop.time() + itl_s
+        decoding = attempt.started_decoding  # this loop is what starts it (attempt.first_token)
+        while True:
+            deadline = min(plan.deadline, wait_until)
+            try:
+                # One wake-up per read from the replica, however many events it carries; the
+                # deadline moves with each read once tokens flow (no timer per read).
+                while data := await upstream.read_some(deadline):
+                    now = replica.last_progress_s = loop.time()
+                    events = splitter.feed(data)
+                    if events:
+                        await answer.on_events(events, last=upstream.complete)
+                    if not decoding and record.first_token_s is not None:
+                        attempt.first_token()  # prefilled: the load tracker now counts it decoding
+                        decoding = True
+                    if decoding:
+                        deadline = min(plan.deadline, now + itl_s)
+                break
+            except TimeoutError:  # nothing was lost: what arrives stays for the next read
+                wait_until = self._after_silence(replica, plan, attempt, first_deadline)
+        rest = splitter.flush()
+        if rest:
+            await answer.on_events(rest)
+
+    async def _relay_pushed(self, exchange: Exchange, replica: ReplicaState, upstream: Response, plan: _Plan,
+                            answer: Answer, attempt: RoutedAttempt, first_deadline: float) -> None:
+        """The stream relayed from the replica connection's data_received (_PushedRelay): each read
+        goes to the client without waking this task, which waits for the end, a failure, the
+        client's full buffer, or every itl_s for the stall checks (_after_silence)."""
+        loop = asyncio.get_running_loop()
+        itl_s = plan.inter_token_timeout_s
+        relay = _PushedRelay(answer, attempt, replica, upstream, loop)
+        upstream.push_to(relay.push)
+        wait_until = loop.time() + itl_s
+        while True:
+            if relay.error is not None:
+                raise relay.error
+            if upstream.error is not None:
+                raise upstream.error
+            if relay.full:  # the client's buffer: reading from the replica waits with it
+                relay.full = False
+                await exchange.drain()
+                upstream.resume_reading()
+                continue
+            if upstream.ended:
+                break
+            try:
+                await upstream.wait(min(plan.deadline, wait_until))
+            except TimeoutError:
+                wait_until = self._after_silence(replica, plan, attempt, first_deadline)
+        if relay.tail:  # the answer's last read, left to this task: its events go out with the stream's end
+            events = relay.splitter.feed(relay.tail)
+            if events:
+                await answer.on_events(events, last=True)
+            relay.started()
+        rest = relay.splitter.flush()
+        if rest:
+            await answer.on_events(rest)
+
+    @staticmethod
+    def _after_silence(replica: ReplicaState, plan: _Plan, attempt: RoutedAttempt, first_deadline: float) -> float:
+        """A stream's wait ran out: where the next one ends, or TryFailed (see _try_stream)."""
+        now = asyncio.get_running_loop().time()
+        itl_s = plan.inter_token_timeout_s
+        if now >= plan.deadline:
+            raise TryFailed("request_timeout", UpstreamError(
+                "The request did not finish within request_timeout_s.", status=504,
+                code="upstream_timeout")) from None
+        alive = now - replica.last_progress_s < itl_s
+        if not attempt.started_decoding and not alive and replica.health.state == "healthy" \
+                and now < first_deadline:
+            return min(now + itl_s, first_deadline)  # a long prefill, maybe: its probes say so
+        if not alive:
+            what = ("stalled" if attempt.started_decoding else "no first token within ttft_timeout_s"
+                    if now >= first_deadline else f"no first token and {replica.health.state}")
+            raise TryFailed(what, UpstreamError(f"Replica {replica.name} {what}.", status=504,
+                                                code="upstream_timeout")) from None
+        if not attempt.started_decoding and now >= first_deadline:
+            raise TryFailed("slow: no first token within ttft_timeout_s", UpstreamError(
+                f"Replica {replica.name} did not start the answer in time.", status=504,
+                code="upstream_timeout"), counts_against_replica=False) from None
+        return now + itl_s if attempt.started_decoding else min(now + itl_s, first_deadline)
 
     async def _post(self, replica: ReplicaState, endpoint: str, payload: bytes, request_id: str,
                     deadline: float) -> Response:
@@ -645,3 +696,51 @@ def _collectable(raw: dict, body: bytes) -> bool:
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _PushedRelay:
+    """A stream's reads, handled where they arrive (the replica connection's data_received): the
+    events to the answer and the client at once, the replica's progress, the first token. It
+    never raises there: a failure (the replica's in-band error, the client gone) is kept for the
+    request's task, woken to raise it, and reading from the replica stops. The answer's last read
+    is left to the task (`tail`), which sends its events and the stream's end in one write."""
+    __slots__ = ("answer", "attempt", "replica", "upstream", "loop", "splitter", "record", "decoding", "full",
+                 "error", "tail")
+
+    def __init__(self, answer: Answer, attempt: RoutedAttempt, replica: ReplicaState, upstream: Response,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.answer = answer
+        self.attempt = attempt
+        self.replica = replica
+        self.upstream = upstream
+        self.loop = loop
+        self.splitter = EventSplitter()
+        self.record = answer.record
+        self.decoding = attempt.started_decoding
+        self.full = False          # the client's buffer is full: the task drains it
+        self.error: Exception | None = None
+        self.tail = b""
+
+    def push(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        self.replica.last_progress_s = self.loop.time()
+        if self.upstream.complete:  # the body's end came with it: the task, woken for it, takes it
+            self.tail = data
+            return
+        try:
+            events = self.splitter.feed(data)
+            if events and self.answer.on_events_now(events):
+                self.full = True
+                self.upstream.pause_reading()
+                self.upstream.wake()
+            self.started()
+        except Exception as exc:  # the task raises it (as its own read would have)
+            self.error = exc
+            self.upstream.pause_reading()
+            self.upstream.wake()
+
+    def started(self) -> None:
+        if not self.decoding and self.record.first_token_s is not None:
+            self.attempt.first_token()  # prefilled: the load tracker now counts it decoding
+            self.decoding = True

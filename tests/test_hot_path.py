@@ -121,6 +121,25 @@ def test_a_connection_asking_for_anything_else_goes_to_aiohttp_and_keeps_working
             while b'"finish_reason"' not in reply:
                 reply += _recv(sock)
         assert b" 200 " in reply.split(b"\r\n", 1)[0] or b"100 Continue" in reply
+    # A stream aiohttp took (a chunked body) is relayed by the request's task read by read (the
+    # hot path's are relayed from the replica connection): the same events, the same record.
+    request_id = f"aiohttp-stream-{uuid.uuid4().hex[:8]}"
+    data = json.dumps({**COMPLETION, "stream": True}).encode()
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               b"x-request-id: " + request_id.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+    streamed = {}
+    for raw, name in ((chunked, "aiohttp"), (post("/v1/completions", {**COMPLETION, "stream": True},
+                                                  request_id + "-hot"), "hot")):
+        with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+            sock.sendall(raw)
+            status, headers, body = read_responses(sock, 1)[0]
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert body.endswith(b"data: [DONE]\n\n") and b"token_ids" not in body
+        streamed[name] = [json.loads(line[6:])["choices"][0]["text"] for line in body.split(b"\n\n")
+                          if line.startswith(b"data: {")]
+    assert streamed["aiohttp"] == streamed["hot"] and "".join(streamed["hot"])
+    assert gateway.record(request_id)["output_token_ids"] == gateway.record(request_id + "-hot")["output_token_ids"]
 
 
 def test_a_body_that_stops_coming_is_a_408_with_its_record(gateway):
@@ -195,6 +214,48 @@ def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(t
             while b"0\r\n\r\n" not in rest:
                 rest += _recv(sock)
             assert b'" a"' in rest and b'" b"' in rest and b"[DONE]" in rest and b"token_ids" not in rest
+
+
+def test_a_client_that_reads_slowly_holds_back_the_replica_and_still_gets_all_of_its_stream(tmp_path):
+    """The gateway relays a stream as it arrives; when the client does not read, the gateway stops
+    reading from the replica (its memory stays bounded) instead of buffering the answer, and the
+    client later gets every event in order."""
+    from aiohttp import web
+
+    events, piece = 6000, "x" * 2000  # ~12 MB of events: more than the sockets' buffers hold
+    finished = {}
+
+    async def completions(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(events):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "big",
+                     "choices": [{"index": 0, "text": f"{i:05d}{piece}", "token_ids": [i],
+                                  "finish_reason": "length" if i == events - 1 else None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        finished["at"] = time.monotonic()
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    with openai_upstream("big", completions) as upstream:
+        config, port = gateway_config_over(tmp_path, upstream, "big")
+        with run_gateway(config, port), socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(post("/v1/completions", {"model": "big", "prompt": "hi", "max_tokens": 1000,
+                                                  "stream": True}, "slow-reader"))
+            sent = time.monotonic()
+            time.sleep(1.5)  # not reading: the gateway's and the replica's buffers fill
+            reading_from = time.monotonic()
+            status, _headers, body = read_responses(sock, 1)[0]
+    assert status == 200
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in body.split(b"\n\n")
+             if line.startswith(b"data: {")]
+    assert [text[:5] for text in texts] == [f"{i:05d}" for i in range(events)]
+    assert body.endswith(b"data: [DONE]\n\n") and b"token_ids" not in body
+    # The replica could write its last event only once the client read: it was held back.
+    assert finished["at"] >= reading_from - 0.05, (finished["at"] - sent, reading_from - sent)
 
 
 def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_spelling(tmp_path):
