@@ -225,10 +225,7 @@ class Response:
         """The whole body (waits for the rest of it)."""
         conn = self._conn
         if conn._state == _DONE and conn.error is None and not conn._paused:  # all of it is here: no wait
-            body = conn._body
-            data = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
-            return data
+            return conn._take_body()
         parts = []
         while data := await conn.read_some(deadline):
             parts.append(data)
@@ -247,14 +244,8 @@ class Response:
         wake()). What arrived before goes to it now. The reader waits with wait()."""
         conn = self._conn
         conn._push = handler
-        body = conn._body
-        if body and conn.error is None:
-            data = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
-            if conn._paused and not conn.lost:
-                conn._paused = False
-                conn.transport.resume_reading()
-            handler(data)
+        if conn._body and conn.error is None:
+            handler(conn._take_body())
 
     def wait(self, deadline: float | None) -> asyncio.Future:
         """Push mode: a future done at the body's end, the connection's failure (`error`) or a
@@ -381,12 +372,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
         push = self._push
         if push is not None and self.error is None:  # a stream's relay: the reader waits for the end only
-            body = self._body
-            if body:
-                chunk = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                push(chunk)
-            if self._state == _DONE or self.error is not None:
+            if self._body:
+                push(self._take_body())
+            if self._state == _DONE:
                 self._wake()
             return
         self._wake()
@@ -445,6 +433,10 @@ class _Connection(asyncio.Protocol):
             if self._state == _DONE:
                 return b""
             await self._wait(deadline)
+        return self._take_body()
+
+    def _take_body(self) -> bytes:
+        """The body bytes arrived so far, taken (reading resumes if their amount had paused it)."""
         body = self._body
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()

@@ -381,9 +381,9 @@ def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -
     """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
     try is counted right after this): the records the policy's pass of the tracker made, else
     one pass of the tracker now."""
-    figures = getattr(decision, "loads_and_delays", None)
-    if figures is not None and len(figures) > 3:
-        return dict(zip(candidates, figures[3]))
+    estimates = getattr(decision, "load_estimates", None)
+    if estimates is not None:
+        return dict(zip(candidates, estimates))
     return dict(zip(candidates, state.tracker.loads_and_delays(candidates, state.clock(), estimates=True)[2]))
 
 

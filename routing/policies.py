@@ -171,7 +171,7 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
     table: Any  # for commit(): where the guess goes
     hashes: Any
     _shared_prefix: bool = False  # the deepest match was a shared prefix too small to steer
-    loads_and_delays: Any = None  # (now, loads, delays, EstimateLogs) of choose()'s pass: the record's estimate
+    load_estimates: Any = None  # each candidate's EstimateLog from choose()'s pass: the record's load estimate
     policy = "cache_aware"
 
     @property
@@ -362,8 +362,7 @@ class CacheAware:
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
         cached_tokens = min(matched[chosen] * block, prompt_tokens)
         return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                  allowed, why, self.balance_factor, table, hashes, shared_prefix,
-                                  (now, loads, delays, estimates))
+                                  allowed, why, self.balance_factor, table, hashes, shared_prefix, estimates)
 
     def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int,
                    holding: bool = False) -> tuple[int, str]:

@@ -365,7 +365,7 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
             heapq.heappush(running, (clock.now + rng.uniform(0.1, 1.5), n, attempt))
             decision = attempt.decision
             seen.append((decision.replica, decision._scores, decision._loads, decision._matched,
-                         decision.reason, [msgspec.structs.astuple(e) for e in decision.loads_and_delays[3]]))
+                         decision.reason, [msgspec.structs.astuple(e) for e in decision.load_estimates]))
         return seen
 
     native, python = run(True), run(False)
