@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.gateway_overhead import PROMPT, check_answers
-from bench.loadgen import (LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_s, process_tree,
+from bench.loadgen import (LoadgenProcess, Phase, PhaseResult, percentiles_ms, process_cpu_split_s, process_tree,
                            start_bench)
 from bench.routers import (RouterUnavailable, run_sglang_router, run_vllm_router, sglang_router_python,
                            vllm_router_python)
@@ -88,6 +88,7 @@ class Router:
     url: str
     pid: int
     cpu_s: dict[str, float] = field(default_factory=lambda: {"fixed": 0.0, "unique": 0.0})
+    sys_s: dict[str, float] = field(default_factory=lambda: {"fixed": 0.0, "unique": 0.0})  # the kernel's part of cpu_s
     served: dict[str, int] = field(default_factory=lambda: {"fixed": 0, "unique": 0})
     failed: dict[str, int] = field(default_factory=lambda: {"fixed": 0, "unique": 0})
     wall_s: dict[str, float] = field(default_factory=lambda: {"fixed": 0.0, "unique": 0.0})
@@ -100,6 +101,10 @@ class Router:
     def cpu_us_per_request(self, workload: str) -> float:
         served = self.served[workload]
         return self.cpu_s[workload] / served * 1e6 if served else float("nan")
+
+    def sys_us_per_request(self, workload: str) -> float:
+        served = self.served[workload]
+        return self.sys_s[workload] / served * 1e6 if served else float("nan")
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
              offset: int) -> None:
     """One closed-loop phase at `connections` in flight; adds the router's CPU and answers."""
     pids = router.pids()
-    before = {pid: process_cpu_s(pid) for pid in pids}
+    before = {pid: process_cpu_split_s(pid) for pid in pids}
     started = time.monotonic()
     if shutil.which("wrk"):
         argv = ["wrk", "-t1", f"-c{settings.connections}", f"-d{settings.saturation_s:g}s", "--timeout", "10s",
@@ -171,7 +176,10 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
                                    timeout_s=10.0))
         served, failed = len(result.ok), len(result.results) - len(result.ok)
     router.wall_s[workload] += time.monotonic() - started
-    router.cpu_s[workload] += sum(process_cpu_s(pid) - cpu for pid, cpu in before.items())
+    for pid, (user, system) in before.items():
+        user_after, system_after = process_cpu_split_s(pid)
+        router.cpu_s[workload] += user_after - user + system_after - system
+        router.sys_s[workload] += system_after - system
     router.served[workload] += served
     router.failed[workload] += failed
 
@@ -284,7 +292,7 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
                         f"{settings.connections} in flight, {settings.rounds} x {settings.saturation_s:g} s per router "
                         f"(fixed prompt); open loop {settings.rate_rps:g} req/s, {settings.windows} x "
                         f"{settings.window_s:g} s windows per router")
-    for column in ("router", "CPU us/req (fixed prompt)", "req/s", "CPU us/req (unique prompts)",
+    for column in ("router", "CPU us/req (fixed prompt)", "of it system", "req/s", "CPU us/req (unique prompts)",
                    "added p50 / p99 ms @rate", "latency p50 / p99 ms", "TTFB p50 / p99 ms",
                    "TTFB added p50 / p99 ms", "failed"):
         table.add_column(column, justify="left" if column == "router" else "right")
@@ -296,20 +304,21 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
         ttfb = percentiles_ms(ttfb_values, (50, 99))
         rps = router.served["fixed"] / router.wall_s["fixed"] if router.wall_s["fixed"] else float("nan")
         failed = (router.failed["fixed"] + router.failed["unique"] + (lat_sent - lat_ok) + (ttfb_sent - ttfb_ok))
-        figures[router.name] = {"cpu": router.cpu_us_per_request("fixed"),
+        figures[router.name] = {"cpu": router.cpu_us_per_request("fixed"), "sys": router.sys_us_per_request("fixed"),
                                 "cpu_unique": router.cpu_us_per_request("unique"),
                                 "added_p50": lat[50] - d_lat[50], "added_p99": lat[99] - d_lat[99],
                                 "ttfb_added_p50": ttfb[50] - d_ttfb[50], "ttfb_added_p99": ttfb[99] - d_ttfb[99]}
         f = figures[router.name]
-        table.add_row(router.name, fmt(f["cpu"], 0), fmt(rps, 0), fmt(f["cpu_unique"], 0),
+        table.add_row(router.name, fmt(f["cpu"], 0), fmt(f["sys"], 0), fmt(rps, 0), fmt(f["cpu_unique"], 0),
                       f"{fmt(f['added_p50'])} / {fmt(f['added_p99'])}", f"{fmt(lat[50])} / {fmt(lat[99])}",
                       f"{fmt(ttfb[50])} / {fmt(ttfb[99])}", f"{fmt(f['ttfb_added_p50'])} / {fmt(f['ttfb_added_p99'])}",
                       str(failed))
-    table.add_row("direct to a stub", "-", "-", "-", "-", f"{fmt(d_lat[50])} / {fmt(d_lat[99])}",
+    table.add_row("direct to a stub", "-", "-", "-", "-", "-", f"{fmt(d_lat[50])} / {fmt(d_lat[99])}",
                   f"{fmt(d_ttfb[50])} / {fmt(d_ttfb[99])}", "-", "")
     console.print(table)
     console.print("CPU us/req: the router process's CPU time (user + system, children included) over the "
-                  "saturation phases / requests answered 200. The stubs, the load generator and every other "
+                  "saturation phases / requests answered 200; 'of it system' is the kernel's part (the "
+                  "sockets' syscalls, which every router pays alike). The stubs, the load generator and every other "
                   f"router share the machine's {os.cpu_count()} cores; compare within this run only.")
     for line in missing:
         console.print(f"[yellow]not measured: {line}[/yellow]")
@@ -328,6 +337,7 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
     for name, f in figures.items():
         key = name.replace(" ", "_").replace("-", "_")
         lines.append(f"figure {key}_cpu_us_per_request_unique_prompts: {fmt(f['cpu_unique'], 0)}")
+        lines.append(f"figure {key}_system_cpu_us_per_request: {fmt(f['sys'], 0)}")
         if not name.startswith("kvgate"):
             lines.append(f"figure {key}_cpu_us_per_request: {fmt(f['cpu'], 0)}")
             lines.append(f"figure {key}_ttfb_added_p50_ms: {fmt(f['ttfb_added_p50'])}")
