@@ -321,7 +321,9 @@ class CacheAware:
         mean_after = (sum(loads) + 1) / len(loads)
         least = min(loads)
         strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
-        follow_cap = max(self.balance_factor * mean_after + self.follow_slack - 1, least + self.follow_abs_slack)
+        follow_cap = self.balance_factor * mean_after + self.follow_slack - 1
+        if follow_cap < least + self.follow_abs_slack:  # two-value max()es as conditionals: a fraction of the call
+            follow_cap = least + self.follow_abs_slack
         # Scores in one C call (else one comprehension, ~0.3 us a candidate); the guard's
         # per-candidate test only when it binds (some candidate over the bound and not among the
         # least loaded).
@@ -330,7 +332,7 @@ class CacheAware:
         else:
             scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
                       + queue_weight * delay for blocks, delay in zip(matched, delays)]
-        bound = max(strict_cap, least)  # the least loaded are always allowed
+        bound = least if least > strict_cap else strict_cap  # the least loaded are always allowed
         # The guard bounds following a cache. With nothing cached to follow anywhere, the scores
         # are prefill and queueing alone and already weigh the load: bounding the request count
         # too sent a trace's 172-token prompt to the one replica under the count bound, 115 ms of
@@ -360,7 +362,9 @@ class CacheAware:
             # their caches have room or turn over slowest does not matter, its hash decides.
             holding = n_blocks and min(matched if len(tied) == len(matched) else [matched[i] for i in tied]) == n_blocks
             chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
-        cached_tokens = min(matched[chosen] * block, prompt_tokens)
+        cached_tokens = matched[chosen] * block
+        if cached_tokens > prompt_tokens:
+            cached_tokens = prompt_tokens
         return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
                                   allowed, why, self.balance_factor, table, hashes, shared_prefix, estimates)
 

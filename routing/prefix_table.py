@@ -245,7 +245,8 @@ class PrefixTable:
         ever guessed, or the table younger than the TTL)."""
         if not self.guess_ttl_ticks or not self._guessing & want:
             return 0
-        return max(self._tick(now) - self.guess_ttl_ticks, 0)
+        oldest = self._tick(now) - self.guess_ttl_ticks
+        return oldest if oldest > 0 else 0
 
     def _match_numpy(self, keys: np.ndarray, now: float, bits: tuple[int, ...], want: int) -> list[int]:
         """match_lengths in numpy. Block 0 first, as one scalar probe: a prompt nobody holds (a
@@ -514,7 +515,8 @@ class PrefixTable:
     def _tick(self, now: float) -> int:
         if self._t0 is None:
             self._t0 = now
-        return max(int((now - self._t0) * TICKS_PER_S), 0)
+        tick = int((now - self._t0) * TICKS_PER_S)
+        return tick if tick > 0 else 0  # a conditional, not max(): ~4x cheaper, twice a request
 
     @staticmethod
     def _buckets_for(blocks: int) -> int:
