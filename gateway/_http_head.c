@@ -23,7 +23,16 @@
    head; status 200-599 but 204 and 304; no Transfer-Encoding and no Connection header (llhttp
    decides keep-alive then), and no repeated Content-Length. Names come back lower-cased, the last
    value of a repeated name wins (as the llhttp callbacks store them). Anything else gives None:
-   llhttp reads it. */
+   llhttp reads it.
+
+   response_head(status_line, headers, framing, date, close, body) -> bytes | None
+
+   A hot response's head, the way gateway/hot_path.py writes it: the status line, each header of
+   the dict as "name: value", the framing line (Content-Length or Transfer-Encoding), the Date line,
+   "Connection: close" when `close`, the blank line, then `body` (b"" for none): one allocation for
+   the head and a short body. None when a name or value is not a str of Latin-1 characters, holds a
+   CR or LF, or `headers` is not a plain dict: the caller's Python path formats it (and raises
+   the errors it raises). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
@@ -193,11 +202,75 @@ fallback:
     Py_RETURN_NONE;
 }
 
+/* A str's Latin-1 bytes (*size of them), or NULL when it has a wider character or a CR or LF. */
+static const char *plain_latin1(PyObject *text, Py_ssize_t *size) {
+    if (!PyUnicode_Check(text) || PyUnicode_READY(text) < 0 || PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND)
+        return NULL;
+    const char *data = (const char *)PyUnicode_1BYTE_DATA(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    if (memchr(data, '\r', (size_t)n) != NULL || memchr(data, '\n', (size_t)n) != NULL) return NULL;
+    *size = n;
+    return data;
+}
+
+static PyObject *response_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyBytes_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "response_head(status_line, headers, framing, date, close, body: bytes)");
+        return NULL;
+    }
+    PyObject *headers = args[1];
+    if (!PyDict_CheckExact(headers)) Py_RETURN_NONE;
+    int close = PyObject_IsTrue(args[4]);
+    if (close < 0) return NULL;
+    Py_ssize_t status_len, framing_len, date_len;
+    const char *status = plain_latin1(args[0], &status_len);
+    const char *framing = plain_latin1(args[2], &framing_len);
+    const char *date = plain_latin1(args[3], &date_len);
+    if (status == NULL || framing == NULL || date == NULL) Py_RETURN_NONE;
+    static const char CLOSE[] = "Connection: close\r\n";
+    Py_ssize_t body_len = PyBytes_GET_SIZE(args[5]);
+    Py_ssize_t total = status_len + 2 + framing_len + 2 + date_len + 2 + (close ? (Py_ssize_t)sizeof(CLOSE) - 1 : 0) + 2
+                       + body_len;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(headers, &pos, &name, &value)) {
+        Py_ssize_t name_len, value_len;
+        if (plain_latin1(name, &name_len) == NULL || plain_latin1(value, &value_len) == NULL) Py_RETURN_NONE;
+        total += name_len + 2 + value_len + 2;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) return NULL;
+    char *w = PyBytes_AS_STRING(out);
+#define PUT(data, n) do { memcpy(w, (data), (size_t)(n)); w += (n); } while (0)
+    PUT(status, status_len);
+    PUT("\r\n", 2);
+    pos = 0;
+    while (PyDict_Next(headers, &pos, &name, &value)) {
+        Py_ssize_t name_len, value_len;
+        const char *n = plain_latin1(name, &name_len), *v = plain_latin1(value, &value_len);
+        PUT(n, name_len);
+        PUT(": ", 2);
+        PUT(v, value_len);
+        PUT("\r\n", 2);
+    }
+    PUT(framing, framing_len);
+    PUT("\r\n", 2);
+    PUT(date, date_len);
+    PUT("\r\n", 2);
+    if (close) PUT(CLOSE, sizeof(CLOSE) - 1);
+    PUT("\r\n", 2);
+    PUT(PyBytes_AS_STRING(args[5]), body_len);
+#undef PUT
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"parse", (PyCFunction)(void (*)(void))parse, METH_FASTCALL,
      "parse(buffer, end) -> (target, [(name, value), ...], longest) for a plain hot request head, else None."},
     {"parse_response", (PyCFunction)parse_response, METH_O,
      "parse_response(data) -> (status, {name: value}, body) for a whole plain answer in one read, else None."},
+    {"response_head", (PyCFunction)(void (*)(void))response_head, METH_FASTCALL,
+     "response_head(status_line, headers, framing, date, close, body) -> the head and body as bytes, else None."},
     {NULL, NULL, 0, NULL},
 };
 

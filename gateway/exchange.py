@@ -26,6 +26,7 @@ class Exchange:
     grant: Grant
     streaming = False        # a stream's head went out
     arrived_s: float         # perf_counter when the whole request was in (hot path), or its handler began
+    body_bytes: bytes | None = None  # the body, when it was read with the head (the hot path); else body()
 
     async def body(self) -> bytes:
         raise NotImplementedError

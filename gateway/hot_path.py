@@ -51,10 +51,11 @@ from protocol.http import openai_errors
 from protocol.requests import decode_chat, decode_completion
 
 try:  # gateway/_http_head.c: a plain head in one C pass, ~10x cheaper than llhttp's callbacks
-    from gateway._http_head import parse as _plain_head
-except ImportError:  # no C compiler at install: every head goes through llhttp
-    _plain_head = None
-NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two)
+    from gateway._http_head import parse as _plain_head, response_head as _native_response_head
+except ImportError:  # no C compiler at install: every head goes through llhttp, every answer's head Python
+    _plain_head = _native_response_head = None
+NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two),
+# and every response head made in Python
 
 _ENDPOINTS = {b"/v1/completions": ("/v1/completions", decode_completion),
               b"/v1/chat/completions": ("/v1/chat/completions", decode_chat)}
@@ -234,29 +235,29 @@ class HotExchange(Exchange):
     async def body(self) -> bytes:
         return self.body_bytes
 
-    async def _head(self, status: int, headers: dict, framing: str) -> bytes:
-        """The response head; `headers` is the caller's own new dict (added to here)."""
+    async def _head(self, status: int, headers: dict, framing: str, body: bytes = b"") -> bytes:
+        """The response head (and `body` after it); `headers` is the caller's own new dict (added to
+        here). Without hooks of the app's own, _head_now's."""
+        hot = self.hot
+        if not hot.hooks:
+            return self._head_now(status, headers, framing, body)
+        if hot.door_headers is not None:
+            hot.door_headers(self.grant, self.request_id, headers)
+        response = _HotResponse(status, CIMultiDict(headers))
+        for hook in hot.hooks:
+            await hook(self.request, response)
+        return _response_head(status, response.headers, framing, not self.keep_alive or self.conn.closing, body)
+
+    def _head_now(self, status: int, headers: dict, framing: str, body: bytes = b"") -> bytes:
+        """_head where the app has no on_response_prepare hooks but the front door's (no await)."""
         hot = self.hot
         if hot.door_headers is not None:
             hot.door_headers(self.grant, self.request_id, headers)
-        if hot.hooks:
-            response = _HotResponse(status, CIMultiDict(headers))
-            for hook in hot.hooks:
-                await hook(self.request, response)
-            headers = response.headers
-        lines = [_STATUS_LINES.get(status) or _status_line(status)]
-        for name, value in headers.items():
-            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-                raise ValueError(f"header {name!r} holds a line break")
-            lines.append(f"{name}: {value}")
-        lines.append(framing)
-        lines.append(_http_date())
-        if not self.keep_alive or self.conn.closing:
-            lines.append("Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return _response_head(status, headers, framing, not self.keep_alive or self.conn.closing, body)
 
     async def open_stream(self, headers: dict[str, str], hold: bool = False) -> None:
-        head = await self._head(200, headers, "Transfer-Encoding: chunked")
+        framing = "Transfer-Encoding: chunked"
+        head = await self._head(200, headers, framing) if self.hot.hooks else self._head_now(200, headers, framing)
         self.streaming = True
         if hold:
             self._hold(head)
@@ -312,11 +313,16 @@ class HotExchange(Exchange):
 
     async def respond(self, status: int, body: bytes, headers: dict[str, str],
                       content_type: str = "application/json") -> None:
-        head = await self._head(status, {**headers, "Content-Type": content_type},
-                                f"Content-Length: {len(body)}")
+        small = len(body) < 65536  # a short body leaves with its head, in one bytes object and one write
+        headers = {**headers, "Content-Type": content_type}
+        framing = f"Content-Length: {len(body)}"
+        if self.hot.hooks:
+            head = await self._head(status, headers, framing, body if small else b"")
+        else:
+            head = self._head_now(status, headers, framing, body if small else b"")
         try:
-            self.conn.send(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
+            self.conn.send(head)
+            if not small:
                 self.conn.send(body)
         except ClientGone:
             pass  # it hung up: nothing to answer (the record already has its outcome)
@@ -333,6 +339,27 @@ class HotExchange(Exchange):
 
 
 _STATUS_LINES: dict[int, str] = {}
+
+
+def _response_head(status: int, headers, framing: str, close: bool, body: bytes = b"") -> bytes:
+    """Status line, `headers` (a dict or CIMultiDict), the framing and Date lines, "Connection:
+    close" if `close`, the blank line, then `body`: in one C call (gateway/_http_head.c) where it
+    was built and the headers are a plain dict of Latin-1 text without line breaks, else here."""
+    status_line = _STATUS_LINES.get(status) or _status_line(status)
+    if _native_response_head is not None and NATIVE:
+        head = _native_response_head(status_line, headers, framing, _http_date(), close, body)
+        if head is not None:
+            return head
+    lines = [status_line]
+    for name, value in headers.items():
+        if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}")
+    lines.append(framing)
+    lines.append(_http_date())
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 def _status_line(status: int) -> str:

@@ -221,11 +221,19 @@ class Response:
         coroutine, not one wrapped around it: a stream calls this once per token."""
         return self._conn.read_some(deadline)
 
+    def body_now(self) -> bytes | None:
+        """The whole body if all of it is here (no wait, no coroutine), else None: read() it."""
+        conn = self._conn
+        if conn._state == _DONE and conn.error is None and not conn._paused:
+            return conn._take_body()
+        return None
+
     async def read(self, deadline: float | None = None) -> bytes:
         """The whole body (waits for the rest of it)."""
+        body = self.body_now()
+        if body is not None:
+            return body
         conn = self._conn
-        if conn._state == _DONE and conn.error is None and not conn._paused:  # all of it is here: no wait
-            return conn._take_body()
         parts = []
         while data := await conn.read_some(deadline):
             parts.append(data)

@@ -49,12 +49,27 @@ def tokenize_request(request: AnyRequest, bundle: TokenizerBundle) -> list[int]:
     return token_cache(bundle).encode(prompt, add_special_tokens=add_special_tokens)
 
 
-async def prompt_token_ids(request: AnyRequest, bundle: TokenizerBundle) -> list[int]:
+def prompt_ids_now(request: AnyRequest, bundle: TokenizerBundle) -> tuple[list[int] | None, tuple | None]:
+    """(the prompt's IDs, None) where they cost no wait: IDs as sent, or text with under
+    YIELD_CHARS new to the token cache (the usual request: no coroutine to run); else (None,
+    what prompt_token_ids takes to finish it)."""
     prompt, add_special_tokens = prompt_text(request, bundle)
     if isinstance(prompt, list):
-        return list(prompt)
+        return list(prompt), None
     cache = token_cache(bundle)
     lookup = cache.lookup(prompt)
+    if lookup.missing_chars < YIELD_CHARS:
+        return cache.finish(lookup, add_special_tokens), None
+    return None, (cache, lookup, add_special_tokens)
+
+
+async def prompt_token_ids(request: AnyRequest, bundle: TokenizerBundle, pending: tuple | None = None) -> list[int]:
+    """The prompt's IDs; `pending`: what prompt_ids_now left to do, if it was asked first."""
+    if pending is None:
+        ids, pending = prompt_ids_now(request, bundle)
+        if ids is not None:
+            return ids
+    cache, lookup, add_special_tokens = pending
     # Requests that arrive together (a trace's burst, a batch client) are tokenized on the loop one
     # after another: a long new prompt first lets the shorter ones that came with it go ahead, one
     # loop turn per YIELD_CHARS new characters (at most 3), shortest first, as a scheduler would.

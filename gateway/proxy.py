@@ -29,7 +29,7 @@ from gateway.answer import Answer, AnswerSpec, InBandError
 from gateway.exchange import AiohttpExchange, ClientGone, Exchange
 from gateway.http_client import ConnectFailed, HttpClientError, Response
 from gateway.limits import new_request_id
-from gateway.prompts import prompt_token_ids
+from gateway.prompts import prompt_ids_now, prompt_token_ids
 from gateway.resume import continuation_body, effective_max_tokens
 from gateway.retry_budget import RetryBudget
 from gateway.router import RoutedAttempt, Router
@@ -183,7 +183,9 @@ class Proxy:
             pass
 
     async def _serve(self, exchange: Exchange, record: RequestRecord, decode, reply_headers: dict) -> None:
-        body = await exchange.body()
+        body = exchange.body_bytes  # the hot path's, read already (None: aiohttp's request reads it)
+        if body is None:
+            body = await exchange.body()
         parsed = decode(body)  # proves the body is a JSON object
         record.stream = parsed.stream
         model = parsed.model
@@ -201,7 +203,9 @@ class Proxy:
             self.metrics.panic_routed.labels(model=model).inc()
 
         bundle = candidates[0].tokenizer
-        prompt_ids = await prompt_token_ids(parsed, bundle)
+        prompt_ids, pending = prompt_ids_now(parsed, bundle)
+        if prompt_ids is None:  # much new text: tokenized after a few loop turns, or off the loop
+            prompt_ids = await prompt_token_ids(parsed, bundle, pending)
         record.prompt_token_ids = prompt_ids
         record.prompt_tokens = len(prompt_ids)
         # ---- auth hook (gateway/auth.py): the caller's key applies its model list, tenant cache_salt,
@@ -263,7 +267,7 @@ class Proxy:
         for number in range(1, max_attempts + 1):
             output_ids = record.output_token_ids
             resuming = bool(output_ids) and plan.streamed_upstream
-            names = await self._admit(plan, failed, retry=number > 1)
+            names = self._with_room(plan, failed)[0] or await self._admit(plan, failed, retry=number > 1)
             if resuming:
                 prompt = answer.prompt_token_ids or plan.prompt_ids
                 routed_ids = prompt + output_ids
@@ -356,16 +360,10 @@ class Proxy:
         """Candidate replicas with room for one more request; waits in the bounded queue when all
         are full. A retry avoids the replicas that failed this request while others remain."""
         gateway = self.pool.config.gateway
-        tracker = self.router.state.tracker
         loop = asyncio.get_running_loop()
         queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
-        limit = gateway.max_in_flight_per_replica
         while True:
-            ready, ready_names = self.pool.main_pool(plan.model, decode_first=plan.pd is not None)
-            if failed:
-                ready = [r for r in ready if r.name not in failed] or ready
-                ready_names = [r.name for r in ready]
-            names = tracker.with_room(ready_names, limit)
+            names, ready = self._with_room(plan, failed)
             if names:
                 return names
             if not ready and not retry:
@@ -388,6 +386,16 @@ class Proxy:
             finally:
                 self._queued -= 1
                 self.metrics.queued.set(self._queued)
+
+    def _with_room(self, plan: _Plan, failed: list[str]) -> tuple:
+        """(the candidates with room for one more request, the ready ones): _admit's check, which
+        _tries makes first without a coroutine (the usual request has room at once)."""
+        ready, ready_names = self.pool.main_pool(plan.model, decode_first=plan.pd is not None)
+        if failed:
+            ready = [r for r in ready if r.name not in failed] or ready
+            ready_names = [r.name for r in ready]
+        limit = self.pool.config.gateway.max_in_flight_per_replica
+        return self.router.state.tracker.with_room(ready_names, limit), ready
 
     def _replica_in_flight(self) -> list[tuple[str, int]]:
         tracker = self.router.state.tracker
@@ -579,7 +587,9 @@ class Proxy:
             upstream = await self._post(replica, record.endpoint, payload, record.request_id, plan.deadline)
             if upstream.status != 200:
                 raise await self._status_error(upstream, replica, plan.deadline)
-            body = await upstream.read(plan.deadline)
+            body = upstream.body_now()
+            if body is None:
+                body = await upstream.read(plan.deadline)
         except TimeoutError:
             raise TryFailed("request_timeout", UpstreamError(
                 "The request did not finish within request_timeout_s.", status=504, code="upstream_timeout")) from None

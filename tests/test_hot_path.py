@@ -363,28 +363,39 @@ def test_a_non_streamed_answer_goes_through_as_the_replicas_bytes_without_the_id
             assert gateway.record("answer-broken")["status"] == 502
 
 
-def test_a_response_header_with_a_line_break_is_refused_not_written():
+@pytest.mark.parametrize("native", [True, False], ids=["C", "Python"])
+def test_a_response_header_with_a_line_break_is_refused_not_written(native, monkeypatch):
     """A hook (or a header the gateway echoes) must not split the response: a CR or LF in any
-    header's name or value refuses the head; clean headers make one CRLF-separated block."""
+    header's name or value refuses the head; clean headers make one CRLF-separated block. The C
+    head (gateway/_http_head.c) and the Python one write the same bytes and refuse the same heads."""
     from types import SimpleNamespace
 
     from multidict import CIMultiDict
 
+    from gateway import hot_path
     from gateway.hot_path import HotExchange, _HotRequest
+    if native and hot_path._native_response_head is None:
+        pytest.skip("gateway/_http_head.c was not built (no C compiler at install)")
+    monkeypatch.setattr(hot_path, "NATIVE", native)
 
-    def head(headers: dict) -> bytes:
+    def head(headers: dict, keep_alive: bool = True, body: bytes = b"") -> bytes:
         conn = SimpleNamespace(closing=False)
         hot = SimpleNamespace(hooks=(), door_headers=None)  # no front door, no app hooks
-        exchange = HotExchange(conn, _HotRequest(CIMultiDict(), "/v1/completions"), "id", True, hot)
-        return asyncio.run(exchange._head(200, headers, "Content-Length: 2"))
+        exchange = HotExchange(conn, _HotRequest(CIMultiDict(), "/v1/completions"), "id", keep_alive, hot)
+        return asyncio.run(exchange._head(200, headers, "Content-Length: 2", body))
 
     text = head({"x-request-id": "abc", "x-one": "1"}).decode()
     assert text.startswith("HTTP/1.1 200 OK\r\nx-request-id: abc\r\nx-one: 1\r\nContent-Length: 2\r\nDate: ")
     assert text.endswith("\r\n\r\n") and text.count("\r\n") == 6
     assert head({}).decode().startswith("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n")
+    closing = head({"x-a": "caf\xe9"}, keep_alive=False, body=b"{}")  # Latin-1 text; the body after the head
+    assert closing.startswith(b"HTTP/1.1 200 OK\r\nx-a: caf\xe9\r\nContent-Length: 2\r\nDate: ")
+    assert closing.endswith(b"\r\nConnection: close\r\n\r\n{}")
     for bad in ({"x-a": "1", "x-evil": "v\r\nSet-Cookie: s=1"}, {"x-evil\n": "v"}, {"x-a": "1\r"}):
         with pytest.raises(ValueError, match="line break"):
             head(bad)
+    with pytest.raises(UnicodeEncodeError):
+        head({"x-a": "\u6f22"})
 
 
 HEADS = [  # (head, whether the C reader takes it: the plain shape; the rest is llhttp's to read)
