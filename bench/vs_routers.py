@@ -280,6 +280,19 @@ def pooled_ms(results: list[PhaseResult], what: str) -> tuple[list[float], int, 
     return values, sent, ok
 
 
+def interpreter_build() -> str:
+    """This interpreter, its version, and whether its libpython is a shared library (what a Python
+    router's CPU depends on: sysconfig describes the distribution's shared build, not the binary)."""
+    shared = ""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            shared = next((line.split()[-1] for line in maps if "/libpython" in line), "")
+    except OSError:
+        pass
+    linked = f"libpython shared ({shared})" if shared else "libpython linked in"
+    return f"{os.path.realpath(sys.executable)} (Python {sys.version.split()[0]}, {linked})"
+
+
 def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb: list[PhaseResult],
            settings: Settings, missing: list[str]) -> list[str]:
     from rich.console import Console
@@ -320,6 +333,9 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
                   "saturation phases / requests answered 200; 'of it system' is the kernel's part (the "
                   "sockets' syscalls, which every router pays alike). The stubs, the load generator and every other "
                   f"router share the machine's {os.cpu_count()} cores; compare within this run only.")
+    console.print(f"kvgate and the byte pipe ran on {interpreter_build()}: the build moves a Python router's CPU "
+                  "(bench/README.md: pyenv's 3.11.7, libpython shared and built without PGO, cost 17-20% more a "
+                  "request than Debian's 3.11.2).")
     for line in missing:
         console.print(f"[yellow]not measured: {line}[/yellow]")
 

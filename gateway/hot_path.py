@@ -300,7 +300,7 @@ class HotExchange(Exchange):
         events and its end, leave in one syscall. The loop's next turn sends whatever is still
         held (the caller wrote nothing more after all)."""
         if not self._held:
-            asyncio.get_running_loop().call_soon(self._send_held)
+            self.conn.loop.call_soon(self._send_held)
         self._held += data
 
     def _send_held(self) -> None:
@@ -392,7 +392,7 @@ class HotProtocol(asyncio.Protocol):
 
     def __init__(self, server, *, loop: asyncio.AbstractEventLoop, guard, hot: HotPath, handler_kwargs: dict) -> None:
         self._server = server          # aiohttp's Server: its shutdown waits for our requests too
-        self._loop = loop
+        self.loop = loop
         self._guard = guard
         self._hot = hot
         self._handler_kwargs = handler_kwargs
@@ -491,7 +491,7 @@ class HotProtocol(asyncio.Protocol):
 
     async def drain(self) -> None:
         while self.write_paused and self.transport is not None:
-            waiter = self._drain_waiter = self._loop.create_future()
+            waiter = self._drain_waiter = self.loop.create_future()
             await waiter
         if self.transport is None:
             raise ClientGone()
@@ -532,14 +532,14 @@ class HotProtocol(asyncio.Protocol):
         self._head = None
         body = buffer[body_at:body_at + length]
         self._buffer = buffer[body_at + length:]
-        task = self._task = self._loop.create_task(self._hot.serve(self, target, headers, body, keep_alive,
+        task = self._task = self.loop.create_task(self._hot.serve(self, target, headers, body, keep_alive,
                                                                    time.perf_counter()))
         task.add_done_callback(self._request_done)
 
     def _request_done(self, task: asyncio.Task) -> None:
         self._task = None
         if not task.cancelled() and task.exception() is not None:  # the proxy records its own errors
-            self._loop.call_exception_handler({"message": "hot path request failed", "exception": task.exception(),
+            self.loop.call_exception_handler({"message": "hot path request failed", "exception": task.exception(),
                                                "protocol": self})
             self.closing = True
         if self.transport is None:
@@ -596,7 +596,7 @@ class HotProtocol(asyncio.Protocol):
         self._handed = True
         self._stop_timer()
         transport = self.transport
-        handler = GuardedHandler(self._server, loop=self._loop, guard=self._guard, **self._handler_kwargs)
+        handler = GuardedHandler(self._server, loop=self.loop, guard=self._guard, **self._handler_kwargs)
         self._guard.close(self._ip)  # the handler counts the connection itself
         self._ip = None
         self._server.connection_lost(self, None)
@@ -612,13 +612,13 @@ class HotProtocol(asyncio.Protocol):
     # One deadline per connection (head, body or idle) and at most one timer behind it, re-armed
     # when it fires early: a request that arrives whole costs two float stores, not a timer.
     def _expect(self, kind: str, seconds: float) -> None:
-        at = self._loop.time() + seconds
+        at = self.loop.time() + seconds
         self._timer_kind, self._deadline = kind, at
         timer = self._timer
         if timer is None or timer.when() > at:
             if timer is not None:
                 timer.cancel()
-            self._timer = self._loop.call_at(at, self._timed_out)
+            self._timer = self.loop.call_at(at, self._timed_out)
 
     def _disarm(self) -> None:
         self._timer_kind = ""  # the timer, if any, finds nothing to do when it fires
@@ -635,8 +635,8 @@ class HotProtocol(asyncio.Protocol):
         transport = self.transport
         if not kind or transport is None or self._task is not None or self._handed:
             return
-        if self._loop.time() < self._deadline:  # the deadline moved since this timer was set
-            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+        if self.loop.time() < self._deadline:  # the deadline moved since this timer was set
+            self._timer = self.loop.call_at(self._deadline, self._timed_out)
             return
         self._timer_kind = ""
         if kind == "idle":
@@ -653,5 +653,5 @@ class HotProtocol(asyncio.Protocol):
             self._buffer = b""
             self.closing = True
             self.transport.pause_reading()
-            task = self._task = self._loop.create_task(self._hot.body_timed_out(self, target, headers))
+            task = self._task = self.loop.create_task(self._hot.body_timed_out(self, target, headers))
             task.add_done_callback(self._request_done)

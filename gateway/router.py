@@ -285,12 +285,13 @@ class Router:
         decision = policy.choose(candidates, request)
         # The load each candidate looked like when it was chosen (the record explains the choice).
         estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
-        try:
-            # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
-            # decision path: on the next loop turn, once the request is on its way upstream.
-            asyncio.get_running_loop().call_soon(policy.commit, decision)
-        except RuntimeError:  # no loop (called from plain code): record it now
-            policy.commit(decision)
+        if getattr(policy, "learns", True):
+            try:
+                # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
+                # decision path: on the next loop turn, once the request is on its way upstream.
+                asyncio.get_running_loop().call_soon(policy.commit, decision)
+            except RuntimeError:  # no loop (called from plain code): record it now
+                policy.commit(decision)
         return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
 
 

@@ -167,6 +167,7 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
     app.router.add_get("/admin/replicas", admin_replicas)
     app.router.add_post("/admin/replicas/{name}/{action:drain|undrain}", admin_drain)
     app.on_startup.append(pool.start)
+    app.on_startup.append(proxy.start)
     app.on_startup.append(scraper.start)
     app.on_startup.append(subscribers.start)
     app.on_cleanup.append(subscribers.close)

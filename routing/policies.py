@@ -50,6 +50,7 @@ def _within_bound(loads: dict[str, float], factor: float, slack: float) -> list[
 class LeastLoad:
     name = "least_load"
     reads_prefixes = False  # the prompt's block hashes are not asked for
+    learns = False
     timed = True  # ties on in-flight requests go to the shorter queue, in seconds
 
     def __init__(self, state: RoutingState, seed: int | None = None) -> None:
@@ -73,6 +74,7 @@ class LeastLoad:
 class ConsistentHash:
     name = "consistent_hash"
     reads_prefixes = True
+    learns = False
     timed = False
 
     def __init__(self, state: RoutingState, virtual_nodes: int = 100, epsilon: float = 0.25,
@@ -261,6 +263,7 @@ class CacheAware:
     name = "cache_aware"
     timed = True
     reads_prefixes = True
+    learns = True  # branch points; approximate mode's guessed prefixes
 
     def __init__(self, state: RoutingState, prefill_weight: float = 2.0, queue_weight: float = 1.0,
                  balance_factor: float = 1.25, balance_slack: float = 0.0, follow_slack: float = 2.0,
@@ -485,6 +488,7 @@ class SessionAffinity:
         self.fallback = fallback
         self.timed = fallback.timed
         self.reads_prefixes = fallback.reads_prefixes
+        self.learns = getattr(fallback, "learns", True)
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.balance_factor = balance_factor

@@ -10,6 +10,7 @@ class RoundRobin:
     name = "round_robin"
     timed = False
     reads_prefixes = False  # the prompt's block hashes are not asked for
+    learns = False
 
     def __init__(self) -> None:
         self._turn: dict[str, int] = {}  # per model: how many requests it has routed

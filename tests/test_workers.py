@@ -376,6 +376,22 @@ def test_approximate_mode_workers_adopt_each_others_decisions_and_sessions(tmp_p
             assert again["replica"] == placed["replica"] and again["routing"]["reason"] == "session affinity"
 
 
+def test_sessions_reach_the_other_worker_behind_a_fallback_that_learns_nothing(tmp_path, replicas):
+    # round_robin's commit learns nothing, so the router skips it; a session's key must still be
+    # published at commit (and the worker's pending sessions emptied).
+    routing = "  policy: session_affinity\n  session_affinity: {fallback: round_robin}\n"
+    with gateway(tmp_path, replicas, routing=routing) as gw:
+        conns = gw.connections()
+        rng = random.Random(35)
+        for i in range(4):
+            session = f"rr-user-{i}"
+            placed = complete(gw, conns[i % 2], prompt_of(rng, 8), f"rr{i}-first", user=session)
+            assert placed["routing"]["reason"].startswith("new session"), placed["routing"]
+            learned(gw, conns[1 - i % 2], {"r0": 0}, "r0", 0)  # the other worker saw that request end
+            again = complete(gw, conns[1 - i % 2], prompt_of(rng, 8), f"rr{i}-then", user=session)
+            assert again["replica"] == placed["replica"] and again["routing"]["reason"] == "session affinity"
+
+
 def test_a_drain_a_config_edit_and_a_restarted_worker_reach_every_worker(tmp_path, replicas):
     with gateway(tmp_path, replicas, routing="  policy: round_robin\n") as gw:
         conns = gw.connections()
