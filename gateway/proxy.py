@@ -126,7 +126,7 @@ class Proxy:
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
     async def start(self, app: web.Application | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
+        self.loop = self.router.loop = asyncio.get_running_loop()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._aiohttp(request, "/v1/completions", decode_completion)

@@ -73,6 +73,7 @@ def _policy(routing: RoutingSection, state: RoutingState):
 class Router:
     def __init__(self, config: Config, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (Proxy.start): no getpid() a request
         self.state: RoutingState | None = None
         self.config: Config | None = None
         self.policy = None
@@ -289,7 +290,7 @@ class Router:
             try:
                 # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
                 # decision path: on the next loop turn, once the request is on its way upstream.
-                asyncio.get_running_loop().call_soon(policy.commit, decision)
+                (self.loop or asyncio.get_running_loop()).call_soon(policy.commit, decision)
             except RuntimeError:  # no loop (called from plain code): record it now
                 policy.commit(decision)
         return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
