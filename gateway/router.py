@@ -286,7 +286,7 @@ class Router:
         decision = policy.choose(candidates, request)
         # The load each candidate looked like when it was chosen (the record explains the choice).
         estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
-        if getattr(policy, "learns", True):
+        if policy.learns:
             try:
                 # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
                 # decision path: on the next loop turn, once the request is on its way upstream.

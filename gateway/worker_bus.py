@@ -152,7 +152,7 @@ class _SharedPolicy:
         self.timed = inner.timed
         self.reads_prefixes = inner.reads_prefixes
         # a session's key is published (and _sessions emptied) at commit, whatever the fallback
-        self.learns = getattr(inner, "learns", True) or isinstance(inner, SessionAffinity)
+        self.learns = inner.learns or isinstance(inner, SessionAffinity)
         self._publish = publish
         self._sessions: dict[int, str] = {}  # id(decision) -> session key, until its commit
         self.choose = self._choose_with_session if isinstance(inner, SessionAffinity) else inner.choose

@@ -488,7 +488,7 @@ class SessionAffinity:
         self.fallback = fallback
         self.timed = fallback.timed
         self.reads_prefixes = fallback.reads_prefixes
-        self.learns = getattr(fallback, "learns", True)
+        self.learns = fallback.learns
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.balance_factor = balance_factor

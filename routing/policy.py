@@ -53,8 +53,7 @@ class Policy(Protocol):
     # It reads the prompt's block hashes (request.block_hashes, or state.hashes): the gateway skips
     # computing them for a policy that says False.
     reads_prefixes: bool
-    # Its commit learns something (False: the router skips calling it; a policy without the
-    # attribute is asked every time).
+    # Its commit learns something (False: the router does not call it).
     learns: bool
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> Decision:
