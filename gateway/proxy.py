@@ -118,8 +118,8 @@ class Proxy:
             metrics.pool_in_flight.labels(pool=role).set_function(lambda role=role: self._pool_in_flight(role))
         metrics.in_flight.source = self._replica_in_flight
         self.active = 0            # requests being handled (drain waits for 0)
-        # The serving loop, once started (on_startup): CPython 3.11's get_running_loop() makes a
-        # getpid() system call each time, ~4 a streamed request.
+        # The serving loop, set on startup (before any request): CPython 3.11's get_running_loop()
+        # makes a getpid() system call each time, ~4 a streamed request.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _check_context
         self._queued = 0           # requests waiting for a replica with room
@@ -247,7 +247,7 @@ class Proxy:
                 raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
             payload = _encode_json(raw)
         total_s, ttft_s, itl_s = gateway.timeouts(model)
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop
         plan = _Plan(parsed, raw, body, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
@@ -333,7 +333,7 @@ class Proxy:
                     if answer.kv_stats:
                         self._take_kv_stats(record, answer)
             failed.append(replica.name)
-            left = plan.deadline - (self.loop or asyncio.get_running_loop()).time()
+            left = plan.deadline - self.loop.time()
             if number == max_attempts or left <= 0 or not self.budget.try_spend(time.monotonic()):
                 break
             self.metrics.retries.labels(kind="resume" if record.output_token_ids else "retry").inc()
@@ -366,7 +366,7 @@ class Proxy:
         """Candidate replicas with room for one more request; waits in the bounded queue when all
         are full. A retry avoids the replicas that failed this request while others remain."""
         gateway = self.pool.config.gateway
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop
         queue_deadline = min(plan.deadline, loop.time() + gateway.queue_timeout_s)
         while True:
             names, ready = self._with_room(plan, failed)
@@ -443,7 +443,7 @@ class Proxy:
         someone else's), and this stream waits on (past ttft_timeout_s it moves to another
         replica, without counting against this one); if none did, the replica is stalled."""
         record = answer.record
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop
         first_deadline = min(plan.deadline, loop.time() + plan.ttft_timeout_s)
         upstream: Response | None = None
         finished = False
@@ -484,7 +484,7 @@ class Proxy:
     async def _relay_pulled(self, replica: ReplicaState, upstream: Response, plan: _Plan, answer: Answer,
                             attempt: RoutedAttempt, first_deadline: float) -> None:
         """The stream read by this task, one wake-up per read (an exchange that writes with a wait)."""
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop
         itl_s = plan.inter_token_timeout_s
         record = answer.record
         splitter = EventSplitter()
@@ -519,7 +519,7 @@ class Proxy:
         """The stream relayed from the replica connection's data_received (_PushedRelay): each read
         goes to the client without waking this task, which waits for the end, a failure, the
         client's full buffer, or every itl_s for the stall checks (_after_silence)."""
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop
         itl_s = plan.inter_token_timeout_s
         relay = _PushedRelay(answer, attempt, replica, upstream, loop)
         upstream.push_to(relay.push)

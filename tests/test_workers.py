@@ -290,6 +290,16 @@ def prompt_of(rng: random.Random, tokens: int) -> list[int]:
     return [rng.randrange(10, 250) for _ in range(tokens)]
 
 
+def session_on_both_workers(gw: Gateway, conns, rng: random.Random, i: int, session: str,
+                            request_id: str) -> tuple[dict, dict]:
+    """A request of `session` on worker i % 2, then one on the other worker once it saw the first
+    end: their records."""
+    placed = complete(gw, conns[i % 2], prompt_of(rng, 8), f"{request_id}-first", user=session)
+    learned(gw, conns[1 - i % 2], {"r0": 0}, "r0", 0)  # the other worker saw that request end
+    again = complete(gw, conns[1 - i % 2], prompt_of(rng, 8), f"{request_id}-then", user=session)
+    return placed, again
+
+
 def test_workers_share_the_port_and_every_request_gets_one_record_with_its_token_ids(tmp_path, replicas):
     with gateway(tmp_path, replicas, routing="  policy: round_robin\n") as gw:
         rng = random.Random(1)
@@ -369,10 +379,7 @@ def test_approximate_mode_workers_adopt_each_others_decisions_and_sessions(tmp_p
             assert follow["replica"] == routed["replica"]
             assert follow["routing"]["matched_blocks"][routed["replica"]] == 4, follow["routing"]
         for i in range(4):  # a session placed by one worker sticks on the other
-            session = f"user-{i}"
-            placed = complete(gw, conns[i % 2], prompt_of(rng, 8), f"s{i}-first", user=session)
-            learned(gw, conns[1 - i % 2], {"r0": 0}, "r0", 0)  # the other worker saw that request end
-            again = complete(gw, conns[1 - i % 2], prompt_of(rng, 8), f"s{i}-then", user=session)
+            placed, again = session_on_both_workers(gw, conns, rng, i, f"user-{i}", f"s{i}")
             assert again["replica"] == placed["replica"] and again["routing"]["reason"] == "session affinity"
 
 
@@ -384,11 +391,8 @@ def test_sessions_reach_the_other_worker_behind_a_fallback_that_learns_nothing(t
         conns = gw.connections()
         rng = random.Random(35)
         for i in range(4):
-            session = f"rr-user-{i}"
-            placed = complete(gw, conns[i % 2], prompt_of(rng, 8), f"rr{i}-first", user=session)
+            placed, again = session_on_both_workers(gw, conns, rng, i, f"rr-user-{i}", f"rr{i}")
             assert placed["routing"]["reason"].startswith("new session"), placed["routing"]
-            learned(gw, conns[1 - i % 2], {"r0": 0}, "r0", 0)  # the other worker saw that request end
-            again = complete(gw, conns[1 - i % 2], prompt_of(rng, 8), f"rr{i}-then", user=session)
             assert again["replica"] == placed["replica"] and again["routing"]["reason"] == "session affinity"
 
 
