@@ -83,6 +83,11 @@ class HealthSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # gone (ejected for timeouts or errors, not for a refused connection) instead of a 503: all
     # ejected at once usually means all loaded, and a 503 for everyone turns that into an outage.
     panic_routing: bool = True
+    # Panic also while fewer than this fraction of a model's replicas are in rotation (Envoy's
+    # healthy_panic_threshold, as a fraction): the requests then go to the ones in rotation and to
+    # those out of it not known to be gone, so the few left are not buried under everyone's load
+    # (ejected for timeouts, they would be next). 0: only when none is in rotation.
+    panic_threshold: Annotated[float, Meta(ge=0, lt=1)] = 0.0
 
 
 class LoggingSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from gateway.config import Config, HealthSection, ReplicaSpec
-from gateway.health import CHANGES, STATES, HealthPolicy, ReplicaHealth
+from gateway.health import CHANGES, DRAINING, STATES, HealthPolicy, ReplicaHealth
 from gateway.http_client import Origin, UpstreamClient
 from observability.metrics import GatewayMetrics
 from tokenization import TokenizerBundle
@@ -174,9 +174,10 @@ class ReplicaPool:
         per model until a replica's health, tokenizer or models change or the replica list is
         replaced (a request asks twice, and each ask was ~4 property calls a replica).
 
-        Panic routing (`health.panic_routing`, on by default): when none is ready, the replicas
-        out of rotation that are not known to be gone (ReplicaHealth.may_answer) and have a
-        tokenizer; the model is then in `panicking`."""
+        Panic routing (`health.panic_routing`, on by default): when none is ready, or fewer than
+        `health.panic_threshold` of the model's replicas (those with a tokenizer, drained ones not
+        counted), the ready ones and the replicas out of rotation that are not known to be gone
+        (ReplicaHealth.may_answer) and have a tokenizer; the model is then in `panicking`."""
         if self._candidates_seen != CHANGES[0] or self._candidates_of is not self.replicas:
             self._candidates.clear()
             self.panicking.clear()
@@ -184,16 +185,27 @@ class ReplicaPool:
         found = self._candidates.get(model)
         if found is None:
             found = tuple(r for r in self.replicas if r.ready and r.serves(model))
-            if not found and self.config.health.panic_routing:
-                found = tuple(r for r in self.replicas
-                              if r.health.may_answer and r.tokenizer is not None and r.serves(model))
-                if found:
+            health = self.config.health
+            if health.panic_routing and (not found or health.panic_threshold and len(found) < health.panic_threshold
+                                         * self._countable(model)):
+                ready = len(found)
+                panic = tuple(r for r in self.replicas if r.tokenizer is not None and r.serves(model)
+                              and (r.ready or r.health.may_answer))
+                if len(panic) > ready:
+                    found = panic
                     self.panicking.add(model)
-                    log.warning("panic_routing", model=model, replicas=[r.name for r in found],
-                                why="no replica in rotation; trying those not known to be gone")
+                    log.warning("panic_routing", model=model, replicas=[r.name for r in found], in_rotation=ready,
+                                why=("no replica in rotation" if not ready else
+                                     f"{ready} of {self._countable(model)} in rotation, under "
+                                     f"health.panic_threshold {health.panic_threshold:g}")
+                                + "; trying those not known to be gone")
             if found:  # not a name nobody serves: clients choose those, the cache must not grow with them
                 self._candidates[model] = found
         return found
+
+    def _countable(self, model: str) -> int:
+        """The replicas of `model` that panic_threshold's fraction is of: a tokenizer, not drained."""
+        return sum(1 for r in self.replicas if r.tokenizer is not None and r.serves(model) and r.health.state != DRAINING)
 
     def main_pool(self, model: str, decode_first: bool) -> tuple[tuple[ReplicaState, ...], tuple[str, ...]]:
         """The candidates a request's answer can come from, and their names: the decode replicas

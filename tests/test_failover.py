@@ -716,6 +716,53 @@ def test_with_every_replica_out_of_rotation_requests_go_to_those_not_known_gone(
         assert admin["s1"].get("gone") is True and "gone" not in admin["s0"]
 
 
+def test_under_the_panic_threshold_requests_spread_over_the_replicas_out_of_rotation_too(tmp_path):
+    """health.panic_threshold 0.5: two of three replicas ejected (1 of 3 in rotation) sends the
+    model's requests, streamed and not, to all three (not only to the one left, which would take
+    everyone's load), each record marked; with one of the ejected drained (1 of the 2 counted in
+    rotation: not under half) only the replica in rotation gets them."""
+    with contextlib.ExitStack() as stack:
+        stubs = [stack.enter_context(StubProcess(model="tiny")) for _ in range(3)]
+        port = free_port()
+        config = tmp_path / "gw.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\n"
+                          "health: {probe_interval_s: 0.2, probe_timeout_s: 0.3, unhealthy_threshold: 2,\n"
+                          "         eject_base_s: 120, panic_threshold: 0.5}\n"  # ejected for the whole test
+                          "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
+                          + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: tiny}}\n"
+                                    for i, stub in enumerate(stubs)))
+        server = stack.enter_context(run_gateway(config, port))
+        gateway = Gateway(server, [])
+        states = lambda: {e["name"]: e["state"] for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
+        poll(lambda: set(states().values()) == {"healthy"}, "all stubs healthy", server)
+        for stub in stubs[1:]:
+            os.kill(stub.pid, signal.SIGSTOP)
+        try:
+            poll(lambda: states() == {"s0": "healthy", "s1": "ejected", "s2": "ejected"}, "s1, s2 ejected", server)
+        finally:
+            for stub in stubs[1:]:
+                os.kill(stub.pid, signal.SIGCONT)
+
+        def send(n: int) -> dict:
+            body = body_for("/v1/completions", n, 8)
+            got = (stream(server.url, "/v1/completions", body, f"th-{n}") if n % 2 else
+                   answer(server.url, "/v1/completions", {**body, "stream": False}, f"th-{n}"))
+            assert len(got["ids"]) == 8
+            record = gateway.record(f"th-{n}")
+            assert record["status"] == 200
+            return record
+
+        records = [send(n) for n in range(6)]
+        assert all(r["panic_routing"] is True for r in records)
+        assert {r["replica"] for r in records} == {"s0", "s1", "s2"}
+        text = http("GET", server.url + "/metrics")[2]
+        assert metric(text, "kvgate_panic_routed_requests_total", model="tiny") == 6
+        assert "under health.panic_threshold 0.5" in server.logs()
+        assert http("POST", server.url + "/admin/replicas/s2/drain")[0] == 200
+        records = [send(n) for n in range(6, 10)]
+        assert {r["replica"] for r in records} == {"s0"} and not any(r.get("panic_routing") for r in records)
+
+
 def test_a_replica_is_known_gone_only_while_its_latest_failure_is_a_refused_connection():
     from gateway.health import HealthPolicy, ReplicaHealth
     health = ReplicaHealth(HealthPolicy(unhealthy_threshold=2, eject_base_s=10), now_s=0.0)
