@@ -47,6 +47,7 @@ class ConfigWatcher(BackgroundLoop):
         self.metrics = metrics
         self.poll_s = poll_s
         self._stamp = self._stat()
+        self._empty: tuple[int, int] | None = None  # an empty file seen once (see _run)
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -60,6 +61,11 @@ class ConfigWatcher(BackgroundLoop):
             await asyncio.sleep(self.poll_s)  # a timer: the file changing has no event to await here
             stamp = self._stat()
             if stamp is None or stamp == self._stamp:
+                continue
+            if stamp[1] == 0 and stamp != self._empty:
+                # Truncated, maybe mid-write (an editor's or a script's save): judged on the next
+                # poll, when the rest has come or it is still empty (then rejected as such).
+                self._empty = stamp
                 continue
             self._stamp = stamp
             try:
