@@ -662,31 +662,39 @@ def test_an_engine_that_dies_or_stalls_is_ejected_and_its_stream_resumes(tmp_pat
              "the faulty replica ejected", server)
 
 
+def ejected_pool(stack, tmp_path, stubs: int, frozen: int, health: str = "") -> tuple:
+    """`stubs` stub replicas behind a gateway, the last `frozen` of them stopped until their probes
+    time out and they are ejected (for the whole test: eject_base_s 120), then running again:
+    (stubs, server, Gateway, states())."""
+    procs = [stack.enter_context(StubProcess(model="tiny")) for _ in range(stubs)]
+    port = free_port()
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\n"
+                      "health: {probe_interval_s: 0.2, probe_timeout_s: 0.3, unhealthy_threshold: 2,\n"
+                      f"         eject_base_s: 120{health}}}\n"
+                      "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
+                      + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: tiny}}\n" for i, stub in enumerate(procs)))
+    server = stack.enter_context(run_gateway(config, port))
+    states = lambda: {e["name"]: e["state"] for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
+    poll(lambda: set(states().values()) == {"healthy"}, "all stubs healthy", server)
+    stopped = procs[stubs - frozen:]
+    for stub in stopped:
+        os.kill(stub.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: [states()[f"s{i}"] for i in range(stubs - frozen, stubs)] == ["ejected"] * frozen,
+             "the stopped stubs ejected", server)
+    finally:
+        for stub in stopped:
+            os.kill(stub.pid, signal.SIGCONT)
+    return procs, server, Gateway(server, []), states
+
+
 def test_with_every_replica_out_of_rotation_requests_go_to_those_not_known_gone(tmp_path):
     """Panic routing: both replicas ejected at once (their probes timed out while frozen, as on a
     host too loaded to answer /health in time) still get the model's requests, streamed and not,
     instead of a 503 for everyone; a replica whose port refuses connections is left out."""
     with contextlib.ExitStack() as stack:
-        stubs = [stack.enter_context(StubProcess(model="tiny")) for _ in range(2)]
-        port = free_port()
-        config = tmp_path / "gw.yaml"
-        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\n"
-                          "health: {probe_interval_s: 0.2, probe_timeout_s: 0.3, unhealthy_threshold: 2,\n"
-                          "         eject_base_s: 120}\n"  # out of rotation for the whole test
-                          "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
-                          + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: tiny}}\n"
-                                    for i, stub in enumerate(stubs)))
-        server = stack.enter_context(run_gateway(config, port))
-        gateway = Gateway(server, [])
-        states = lambda: {e["name"]: e["state"] for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
-        poll(lambda: set(states().values()) == {"healthy"}, "both stubs healthy", server)
-        for stub in stubs:
-            os.kill(stub.pid, signal.SIGSTOP)
-        try:
-            poll(lambda: set(states().values()) == {"ejected"}, "both stubs ejected", server)
-        finally:
-            for stub in stubs:
-                os.kill(stub.pid, signal.SIGCONT)
+        stubs, server, gateway, states = ejected_pool(stack, tmp_path, 2, 2)
         served = set()
         for n in range(4):
             streamed = n % 2 == 1
@@ -722,26 +730,8 @@ def test_under_the_panic_threshold_requests_spread_over_the_replicas_out_of_rota
     everyone's load), each record marked; with one of the ejected drained (1 of the 2 counted in
     rotation: not under half) only the replica in rotation gets them."""
     with contextlib.ExitStack() as stack:
-        stubs = [stack.enter_context(StubProcess(model="tiny")) for _ in range(3)]
-        port = free_port()
-        config = tmp_path / "gw.yaml"
-        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\n"
-                          "health: {probe_interval_s: 0.2, probe_timeout_s: 0.3, unhealthy_threshold: 2,\n"
-                          "         eject_base_s: 120, panic_threshold: 0.5}\n"  # ejected for the whole test
-                          "logging: {format: json}\nrouting: {policy: round_robin}\nreplicas:\n"
-                          + "".join(f"  - {{name: s{i}, url: '{stub.url}', model: tiny}}\n"
-                                    for i, stub in enumerate(stubs)))
-        server = stack.enter_context(run_gateway(config, port))
-        gateway = Gateway(server, [])
-        states = lambda: {e["name"]: e["state"] for e in http("GET", server.url + "/admin/replicas")[2]["replicas"]}
-        poll(lambda: set(states().values()) == {"healthy"}, "all stubs healthy", server)
-        for stub in stubs[1:]:
-            os.kill(stub.pid, signal.SIGSTOP)
-        try:
-            poll(lambda: states() == {"s0": "healthy", "s1": "ejected", "s2": "ejected"}, "s1, s2 ejected", server)
-        finally:
-            for stub in stubs[1:]:
-                os.kill(stub.pid, signal.SIGCONT)
+        stubs, server, gateway, states = ejected_pool(stack, tmp_path, 3, 2, ", panic_threshold: 0.5")
+        assert states() == {"s0": "healthy", "s1": "ejected", "s2": "ejected"}
 
         def send(n: int) -> dict:
             body = body_for("/v1/completions", n, 8)
