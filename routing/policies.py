@@ -232,7 +232,8 @@ class CacheAware:
     the depth the prompt would follow, not by its first block: behind a system prompt that every
     request shares, a conversation's next turn follows its own history, and new conversations
     that share only the system prompt spread. The least loaded are always allowed, and with no
-    match that steers on any candidate the guard does not apply (the scores are load alone).
+    match that steers on any candidate, or the same match on every candidate, the guard does not apply
+    (the scores are load alone).
 
     A match that ends where other routed prompts branched off too (a shared prefix: the system
     prompt every conversation starts with) steers only when it covers `follow_min_fraction` of
@@ -340,7 +341,9 @@ class CacheAware:
         # are prefill and queueing alone and already weigh the load: bounding the request count
         # too sent a trace's 172-token prompt to the one replica under the count bound, 115 ms of
         # queue behind a 1,633-token prefill, past one with 37 ms (TTFT 250 ms, a p99 request).
-        if max(loads) <= bound or deepest < min_match:
+        # So too when every candidate holds as much of the prompt (a prefix cached everywhere):
+        # the cache term is the same for all and the scores are queueing alone.
+        if max(loads) <= bound or deepest < min_match or min(matched) == deepest:
             allowed = range(len(loads))
             best_score = min(scores)
         else:

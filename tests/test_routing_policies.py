@@ -219,6 +219,28 @@ def test_a_prompt_nothing_cached_for_goes_to_the_shortest_queue_not_the_fewest_r
     assert delays[decision.replica] == min(delays.values()) < delays["r3"]
 
 
+def test_a_prefix_every_replica_holds_goes_to_the_shortest_queue_even_where_it_is_running():
+    """Held as deeply everywhere, the cache favours no replica: the balance guard, which bounds
+    following a cache, does not keep the request from the one replica with the shortest queue
+    because that replica runs the same prefix (the guard would send it behind a long prefill)."""
+    state = _state(REPLICAS)
+    policy = make_policy("cache_aware", {}, state)
+    rng = random.Random(5)
+    prefix = list(range(1024))
+    table = state.table("m")
+    for name in REPLICAS:
+        table.insert(name, block_hashes(prefix), guessed=False, now=0.0)
+    for _ in range(2):  # two short requests of this prefix: cached, little left to prefill
+        state.tracker.on_routed("r0", 1040, 1024, _request(prefix + [rng.randrange(10, 30000)] * 16).block_hashes)
+    for replica in ("r1", "r2", "r3"):  # one long uncached prefill each
+        state.tracker.on_routed(replica, 1633, 0, _request([rng.randrange(10, 30000) for _ in range(1633)]).block_hashes)
+    decision = policy.choose(REPLICAS, _request(prefix + [7] * 40))
+    assert decision.replica == "r0", decision.as_log()
+    assert decision.predicted_cached_tokens == 1024
+    delays = dict(zip(REPLICAS, state.tracker.loads_and_delays(REPLICAS, state.clock())[1]))
+    assert delays["r0"] == min(delays.values()) < delays["r1"]
+
+
 def test_least_load_and_bounded_consistent_hash_stay_balanced():
     for name in ("least_load", "consistent_hash"):
         counts, _ = _simulate(name, groups=3)
