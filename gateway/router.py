@@ -24,6 +24,7 @@ import structlog
 from gateway.config import Config, RoutingSection
 from observability.metrics import GatewayMetrics
 from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
+from routing.policy import routing_json
 from routing.hashing import block_hashes
 from routing.load import EstimateLog, LoadModel, LoadTracker
 from routing.prefix_table import as_block_keys
@@ -346,6 +347,12 @@ class RoutedAttempt:
         if self.retried_after:
             out["retried_after"] = self.retried_after
         return out
+
+    def log_json(self):
+        """`log` as the record's JSON (routing.policy.routing_json), built once, at the record's
+        encoding; the dict where the C writer was not built."""
+        raw = routing_json(self.routed.decision, self._mode, self._estimates, self.retried_after or None)
+        return self.log if raw is None else raw
 
     def first_token(self) -> None:
         """The replica prefilled the prompt: its first token (or, not streamed, its answer) came."""

@@ -95,11 +95,13 @@ class RequestRecord(msgspec.Struct, eq=False):
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         return end - self.started_s
 
-    def as_fields(self, token_ids: TokenIdPolicy) -> dict:
+    def as_fields(self, token_ids: TokenIdPolicy, routing_json: bool = False) -> dict:
+        """The record's fields; `routing_json`: the routing field as JSON ready for msgspec's encoder
+        where the try can write it so (RoutedAttempt.log_json), not a dict."""
         first, started, itl, routed = self.first_token_s, self.started_s, self.itl_s, self.routed_s
         routing = self.routing
         if routing is not None and routing.__class__ is not dict:
-            routing = routing.log
+            routing = routing.log_json() if routing_json and hasattr(routing, "log_json") else routing.log
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         fields = {
             "request_id": self.request_id, "model": self.model, "replica": self.replica,
@@ -155,7 +157,7 @@ class RequestLog:
             record.finished_s = time.perf_counter()
         sink = None if self._own_logger else json_sink()
         if sink is not None:
-            sink.info("request", record.as_fields(self.token_ids))
+            sink.info("request", record.as_fields(self.token_ids, routing_json=True))
         else:
             self._log.info("request", **record.as_fields(self.token_ids))
         return True

@@ -207,6 +207,10 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
                     f"extra cached blocks")
         return text + (f"; tie broken by {self._why}" if self._why else "")
 
+    def log_columns(self) -> tuple:
+        """(candidates, matched blocks, loads, scores), aligned: routing_json's input."""
+        return self.candidates, self._matched, self._loads, self._scores
+
     def as_log(self) -> dict:
         """decision_log's record, from the aligned lists (no dict of scores made to be rounded)."""
         candidates = self.candidates

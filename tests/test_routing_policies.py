@@ -48,6 +48,53 @@ def test_every_policy_explains_its_decision_with_plain_data(name):
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_routing_field_written_in_c_reads_as_the_dict_it_replaces(name):
+    """The record's routing field comes from routing/_decision.c's writer (routing_json); it must
+    read back as routing_log's dict plus the gateway's fields would encode, for every policy, with
+    names that need escaping, loaded replicas and a retry."""
+    pytest.importorskip("routing._decision")
+    from routing.load import EstimateLog
+    from routing.policy import routing_json
+    names = ["r0", 'q"uote', "back\\slash", "\u00e9t\u00e9\n"]
+    state = _state(names)
+    policy = make_policy(name, {}, state)
+    for i, replica in enumerate(names[:3]):
+        for _ in range(i):
+            state.tracker.on_routed(replica, 300 + 17 * i, 16 * i, _request(list(range(300 + 17 * i))).block_hashes)
+    for prompt in (list(range(100)), list(range(5)), list(range(40)) + [7] * 33):
+        decision = policy.choose(names, _request(prompt, session="u1"))
+        policy.commit(decision)
+        estimates = dict(zip(names, [EstimateLog(i, 100 * i, 2 * i, i + 1, 0.001 * i + 1e-7, i % 2 == 0)
+                                     for i in range(len(names))]))
+        for extra in ((None, None), (estimates, None), (estimates, ["r0", 'q"uote'])):
+            expected = decision.as_log() | {"mode": "precise"}
+            if extra[0] is not None:
+                expected["load_estimate"] = extra[0]
+            if extra[1] is not None:
+                expected["retried_after"] = extra[1]
+            written = routing_json(decision, "precise", *extra)
+            assert msgspec.json.decode(written) == msgspec.json.decode(msgspec.json.encode(expected))
+
+
+def test_the_routing_field_written_in_c_keeps_every_number_as_it_reads():
+    """Floats on the microsecond grid are written from their count of millionths, others as repr;
+    ints of any size exactly: each reads back as the same value (and a non-finite float as null)."""
+    pytest.importorskip("routing._decision")
+    from routing.policy import RoutingDecision, routing_json
+    rng = random.Random(9)
+    values = [0.0, -0.0, 1.0, -2.5, 0.000001, 1e-7, 123456.789012, -999999999.999999, 1e9, 1e16, 2.0 ** 70,
+              3 ** 50, -(3 ** 50), 7, -7, 0, 0.1 + 0.2, 1 / 3, 5e-324, 1.7976931348623157e308]
+    values += [round(rng.uniform(-1e4, 1e4) * 1e6) / 1e6 for _ in range(300)]
+    values += [rng.uniform(-1e4, 1e4) for _ in range(300)] + [rng.randrange(-2 ** 64, 2 ** 64) for _ in range(50)]
+    names = [f"r{i}" for i in range(len(values))]
+    decision = RoutingDecision(names[0], "least_load", "why", tuple(names), load=dict(zip(names, values)),
+                               scores={"r0": 0.1234565, "r1": -2.0000004, "r2": float("inf")})
+    read = msgspec.json.decode(routing_json(decision, "approximate", None, None))
+    assert [read["load"][name] for name in names] == values
+    assert read["scores"] == {"r0": round(0.1234565, 6), "r1": -2.0, "r2": None}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_removed_replica_gets_no_new_request(name):
     state = _state(REPLICAS)
     policy = make_policy(name, {}, state)
