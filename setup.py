@@ -1,6 +1,6 @@
 """The compiled pieces: routing/_prefix_match.c (the prefix table's lookup, insert and remove),
 routing/_block_hash.c (chained block hashes, with the vendored xxHash header),
-routing/_decision.c (a decision's per-candidate loops: load estimate, scores),
+routing/_decision.c (a decision's per-candidate loops: load estimate, cache_aware's choice),
 gateway/_http_head.c (the hot path's plain request heads) and protocol/_strip_ids.c (token IDs cut
 out of relayed answers). Optional: where no C compiler is found the install still succeeds and
 each uses its Python path."""

@@ -192,15 +192,24 @@ def _callgrind_total(path: Path) -> int:
 
 
 def worktree(revision: str, directory: Path) -> Path:
-    """A checkout of `revision` with this checkout's compiled extensions, each where the revision
-    has its C source (the sources rarely change; a revision that changed one needs its own build)."""
+    """A checkout of `revision` with its compiled extensions: this checkout's where the revision
+    has the same C source, else built there (`setup.py build_ext --inplace`, a few seconds a file)."""
     path = directory / f"tree-{re.sub(r'[^A-Za-z0-9_.-]', '_', revision)}"
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f", str(path), revision],
                    check=True, capture_output=True, text=True)
+    differ = False
     for built in REPO_ROOT.glob("*/_*.so"):  # every package's (a package left out ran its pure-Python fallback)
         package = built.parent.name
-        if (path / package / (built.name.split(".")[0] + ".c")).exists():
+        source = Path(package) / (built.name.split(".")[0] + ".c")
+        if not (path / source).exists():
+            continue
+        if (path / source).read_bytes() == (REPO_ROOT / source).read_bytes():
             shutil.copy(built, path / package / built.name)
+        else:
+            differ = True
+    if differ:  # setup.py lists every extension; the ones copied in are up to date and not rebuilt
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=path, check=True,
+                       capture_output=True, text=True, timeout=600)
     return path
 
 

@@ -1,5 +1,5 @@
 /* A routing decision's per-candidate loops in C: the load estimate (routing/load.py,
-   LoadTracker.loads_and_delays) and cache_aware's scores (routing/policies.py).
+   LoadTracker.loads_and_delays) and cache_aware's choice from it (routing/policies.py, decide below).
 
    loads_and_delays(replicas, names, now, stale_after_s, configured_rate, step_base_s, step_per_seq_s
                     [, estimate]) -> (loads, delays[, estimates]) | None
@@ -213,32 +213,43 @@ done:
     return out;
 }
 
-/* scores(matched, delays, prompt_tokens, block, min_match, per_token_s, queue_weight) -> list
-
-   cache_aware's score of each candidate, as its comprehension computes it:
+/* The score of candidate i, as cache_aware's comprehension computes it:
    per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
    + queue_weight * delay, the uncached count in integers, then the same two products and sum. */
-static PyObject *scores(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "scores(matched, delays, prompt_tokens, block, min_match, per_token_s, "
-                                         "queue_weight)");
-        return NULL;
-    }
-    long long prompt_tokens = PyLong_AsLongLong(args[2]), block = PyLong_AsLongLong(args[3]),
-              min_match = PyLong_AsLongLong(args[4]);
-    double per_token_s = PyFloat_AsDouble(args[5]), queue_weight = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *matched = PySequence_Fast(args[0], "matched must be a sequence");
+typedef struct {
+    long long prompt_tokens, block, min_match;
+    double per_token_s, queue_weight;
+} ScoreParams;
+
+static double score_of(const ScoreParams *p, long long blocks, double delay) {
+    long long uncached = blocks >= p->min_match ? p->prompt_tokens - blocks * p->block : p->prompt_tokens;
+    return p->per_token_s * (double)uncached + p->queue_weight * delay;
+}
+
+static int read_score_params(PyObject *const *args, ScoreParams *p) {
+    p->prompt_tokens = PyLong_AsLongLong(args[0]);
+    p->block = PyLong_AsLongLong(args[1]);
+    p->min_match = PyLong_AsLongLong(args[2]);
+    p->per_token_s = PyFloat_AsDouble(args[3]);
+    p->queue_weight = PyFloat_AsDouble(args[4]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The scores of n candidates from their matched blocks (ints) and queueing delays (floats), as a new
+   list, with the matches and scores into `matched_out` and `score_out` (n long); NULL with an
+   exception set on failure, or when there are not n of each. */
+static PyObject *scored(PyObject *matched_seq, PyObject *delays_seq, const ScoreParams *p, Py_ssize_t n,
+                        long long *matched_out, double *score_out) {
+    PyObject *matched = PySequence_Fast(matched_seq, "matched must be a sequence");
     if (matched == NULL) return NULL;
-    PyObject *delays = PySequence_Fast(args[1], "delays must be a sequence");
+    PyObject *delays = PySequence_Fast(delays_seq, "delays must be a sequence");
     if (delays == NULL) {
         Py_DECREF(matched);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(matched);
     PyObject *out = NULL;
-    if (PySequence_Fast_GET_SIZE(delays) != n) {
-        PyErr_SetString(PyExc_ValueError, "matched and delays differ in length");
+    if (PySequence_Fast_GET_SIZE(matched) != n || PySequence_Fast_GET_SIZE(delays) != n) {
+        PyErr_SetString(PyExc_ValueError, "decide: matched or delays not one a candidate");
         goto done;
     }
     out = PyList_New(n);
@@ -250,8 +261,10 @@ static PyObject *scores(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_CLEAR(out);
             goto done;
         }
-        long long uncached = blocks >= min_match ? prompt_tokens - blocks * block : prompt_tokens;
-        PyObject *score = PyFloat_FromDouble(per_token_s * (double)uncached + queue_weight * delay);
+        double value = score_of(p, blocks, delay);
+        matched_out[i] = blocks;
+        score_out[i] = value;
+        PyObject *score = PyFloat_FromDouble(value);
         if (score == NULL) {
             Py_CLEAR(out);
             goto done;
@@ -261,6 +274,216 @@ static PyObject *scores(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_DECREF(matched);
     Py_DECREF(delays);
+    return out;
+}
+
+/* decide(matched, loads, delays, prompt_tokens, block, min_match, per_token_s, queue_weight, loads_sum,
+          balance_factor, balance_slack, follow_slack, follow_abs_slack, running_prefix, candidates, hashes,
+          name_hash) -> (chosen, why, scores, allowed, tied, holding)
+
+   cache_aware's choice once the matches and the loads are known (routing/policies.py
+   CacheAware.choose, its Python lines the reference, the same doubles in the same order): the
+   scores, the balance guard (`running_prefix(name, hashes, depth)`, the tracker's, asked only where
+   the guard binds, in the same order), the best score among the allowed, and of a tie the
+   least-loaded step and, where every tied candidate holds the whole prompt, the rendezvous hash of
+   its last block (`name_hash`: name -> the policy's 32-bit hash of it). `allowed` is None when the
+   guard allows every candidate, else the list of their indices. `tied` is None when the choice is
+   made; else the tied indices left after the load step, for the Python steps that follow (the
+   caches' fill and turnover, turns for a prompt shorter than a block, a name not hashed yet), and
+   `holding` says whether every tied candidate held the whole prompt. */
+#define MIX32 0x9E3779B1ULL
+#define MASK32 0xFFFFFFFFULL
+#define SMALL 64
+
+static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "decide(matched, loads, delays, prompt_tokens, block, min_match, "
+                                         "per_token_s, queue_weight, loads_sum, balance_factor, balance_slack, "
+                                         "follow_slack, follow_abs_slack, running_prefix, candidates, hashes, "
+                                         "name_hash)");
+        return NULL;
+    }
+    ScoreParams p;
+    if (read_score_params(args + 3, &p) < 0) return NULL;
+    double loads_sum = PyFloat_AsDouble(args[8]), balance_factor = PyFloat_AsDouble(args[9]),
+           balance_slack = PyFloat_AsDouble(args[10]), follow_slack = PyFloat_AsDouble(args[11]),
+           follow_abs_slack = PyFloat_AsDouble(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *running_prefix = args[13], *candidates_seq = args[14], *hashes = args[15], *name_hash = args[16];
+    if (!PyDict_Check(name_hash)) {
+        PyErr_SetString(PyExc_TypeError, "decide: name_hash must be a dict");
+        return NULL;
+    }
+    Py_ssize_t n_blocks = PyObject_Length(hashes);
+    if (n_blocks < 0) return NULL;
+    PyObject *candidates = PySequence_Fast(candidates_seq, "candidates must be a sequence");
+    if (candidates == NULL) return NULL;
+    PyObject *loads = PySequence_Fast(args[1], "loads must be a sequence");
+    if (loads == NULL) {
+        Py_DECREF(candidates);
+        return NULL;
+    }
+    long long matched_small[SMALL];
+    double score_small[SMALL], load_small[SMALL];
+    Py_ssize_t index_small[SMALL];
+    long long *matched = matched_small;
+    double *score = score_small, *load = load_small;
+    Py_ssize_t *tied = index_small;
+    PyObject *scores_list = NULL, *allowed = NULL, *tied_list = NULL, *out = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(candidates);
+    if (n == 0 || PySequence_Fast_GET_SIZE(loads) != n) {
+        PyErr_SetString(PyExc_ValueError, "decide: no candidates, or loads not one a candidate");
+        goto done;
+    }
+    if (n > SMALL) {
+        matched = PyMem_Malloc(n * sizeof(long long));
+        score = PyMem_Malloc(n * sizeof(double));
+        load = PyMem_Malloc(n * sizeof(double));
+        tied = PyMem_Malloc(n * sizeof(Py_ssize_t));
+        if (!matched || !score || !load || !tied) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    scores_list = scored(args[0], args[2], &p, n, matched, score);
+    if (scores_list == NULL) goto done;
+    long long deepest = matched[0], shallowest = matched[0];
+    double least = 0, most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        load[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(loads, i));
+        if (load[i] == -1.0 && PyErr_Occurred()) goto done;
+        if (matched[i] > deepest) deepest = matched[i];
+        if (matched[i] < shallowest) shallowest = matched[i];
+        if (i == 0 || load[i] < least) least = load[i];
+        if (i == 0 || load[i] > most) most = load[i];
+    }
+    /* The balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1). */
+    double mean_after = (loads_sum + 1) / (double)n;
+    double strict_cap = balance_factor * mean_after + balance_slack - 1;
+    double follow_cap = balance_factor * mean_after + follow_slack - 1;
+    if (follow_cap < least + follow_abs_slack) follow_cap = least + follow_abs_slack;
+    double bound = least > strict_cap ? least : strict_cap;
+    int everyone = most <= bound || deepest < p.min_match || shallowest == deepest;
+    if (!everyone) {
+        allowed = PyList_New(0);
+        if (allowed == NULL) goto done;
+    }
+    double best = 0;
+    int any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!everyone) {
+            int ok = load[i] <= bound;
+            if (!ok && matched[i] >= p.min_match && load[i] <= follow_cap) {
+                PyObject *depth = PyLong_FromLongLong((matched[i] + 1) / 2);
+                if (depth == NULL) goto done;
+                PyObject *running = PyObject_CallFunctionObjArgs(
+                    running_prefix, PySequence_Fast_GET_ITEM(candidates, i), hashes, depth, NULL);
+                Py_DECREF(depth);
+                if (running == NULL) goto done;
+                int truth = PyObject_IsTrue(running);
+                Py_DECREF(running);
+                if (truth < 0) goto done;
+                ok = !truth;
+            }
+            if (!ok) {
+                tied[i] = -1;  /* not allowed */
+                continue;
+            }
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL) goto done;
+            int rc = PyList_Append(allowed, index);
+            Py_DECREF(index);
+            if (rc < 0) goto done;
+        }
+        tied[i] = i;
+        if (!any || score[i] < best) best = score[i];
+        any = 1;
+    }
+    /* The tied: allowed, at the best score, in order. */
+    Py_ssize_t n_tied = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (tied[i] >= 0 && score[i] == best) tied[n_tied++] = i;
+    Py_ssize_t chosen = tied[0];
+    const char *why = "";
+    int holding = 0, decided = 1;
+    if (n_tied > 1) {
+        long long held = matched[tied[0]];
+        for (Py_ssize_t k = 1; k < n_tied; k++)
+            if (matched[tied[k]] < held) held = matched[tied[k]];
+        holding = n_blocks && held == n_blocks;
+        double low = load[tied[0]], high = low;
+        for (Py_ssize_t k = 1; k < n_tied; k++) {
+            if (load[tied[k]] < low) low = load[tied[k]];
+            if (load[tied[k]] > high) high = load[tied[k]];
+        }
+        if (high != low) {
+            Py_ssize_t kept = 0;
+            for (Py_ssize_t k = 0; k < n_tied; k++)
+                if (load[tied[k]] == low) tied[kept++] = tied[k];
+            n_tied = kept;
+        }
+        if (n_tied == 1) {
+            chosen = tied[0];
+            why = "least load";
+        } else if (holding) {  /* rendezvous: the lowest rank of (name hash ^ the last block's hash) */
+            PyObject *item = PySequence_GetItem(hashes, deepest < n_blocks - 1 ? deepest : n_blocks - 1);
+            if (item == NULL) goto done;
+            PyObject *number = PyNumber_Index(item);
+            Py_DECREF(item);
+            if (number == NULL) goto done;
+            unsigned long long key = PyLong_AsUnsignedLongLongMask(number) & MASK32;
+            Py_DECREF(number);
+            if (key == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+            unsigned long long low_rank = 0;
+            for (Py_ssize_t k = 0; k < n_tied && decided; k++) {
+                PyObject *h = PyDict_GetItemWithError(name_hash, PySequence_Fast_GET_ITEM(candidates, tied[k]));
+                if (h == NULL) {
+                    if (PyErr_Occurred()) goto done;
+                    decided = 0;  /* a name not hashed yet: Python hashes it */
+                    break;
+                }
+                unsigned long long value = PyLong_AsUnsignedLongLongMask(h);
+                if (value == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+                if (value == 0) {  /* as `get(name) or learn(name)`: Python's step */
+                    decided = 0;
+                    break;
+                }
+                unsigned long long rank = ((value ^ key) * MIX32) & MASK32;
+                if (k == 0 || rank < low_rank) {
+                    low_rank = rank;
+                    chosen = tied[k];
+                }
+            }
+            why = "prefix hash";
+        } else {
+            decided = 0;
+        }
+        if (!decided) {
+            tied_list = PyList_New(n_tied);
+            if (tied_list == NULL) goto done;
+            for (Py_ssize_t k = 0; k < n_tied; k++) {
+                PyObject *index = PyLong_FromSsize_t(tied[k]);
+                if (index == NULL) goto done;
+                PyList_SET_ITEM(tied_list, k, index);
+            }
+            chosen = -1;
+            why = "";
+        }
+    }
+    out = Py_BuildValue("(nsOOOO)", chosen, why, scores_list, allowed ? allowed : Py_None,
+                        tied_list ? tied_list : Py_None, holding ? Py_True : Py_False);
+done:
+    if (matched != matched_small) {  /* more than SMALL candidates: allocated (or NULL) */
+        PyMem_Free(matched);
+        PyMem_Free(score);
+        PyMem_Free(load);
+        PyMem_Free(tied);
+    }
+    Py_DECREF(candidates);
+    Py_DECREF(loads);
+    Py_XDECREF(scores_list);
+    Py_XDECREF(allowed);
+    Py_XDECREF(tied_list);
     return out;
 }
 
@@ -504,7 +727,8 @@ done:
 static PyMethodDef methods[] = {
     {"loads_and_delays", (PyCFunction)(void (*)(void))loads_and_delays, METH_FASTCALL,
      "(in_flight, queue_delay_s[, estimate records]) of each named replica; None if one is not tracked yet."},
-    {"scores", (PyCFunction)(void (*)(void))scores, METH_FASTCALL, "cache_aware's score of each candidate."},
+    {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
+     "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, holding)."},
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
     {NULL, NULL, 0, NULL},
 };

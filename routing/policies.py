@@ -24,11 +24,11 @@ import xxhash
 
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
 
-try:  # routing/_decision.c: cache_aware's per-candidate scores in C
-    from routing._decision import scores as _native_scores
-except ImportError:  # built without a C compiler: the comprehension in choose()
-    _native_scores = None
-NATIVE = True  # False: the comprehension even where the C one was built (tests compare the two)
+try:  # routing/_decision.c: cache_aware's choice from the matches and loads, in C
+    from routing._decision import decide as _native_decide
+except ImportError:  # built without a C compiler: the Python lines in choose()
+    _native_decide = None
+NATIVE = True  # False: the Python lines even where the C call was built (tests compare the two)
 
 
 def _loads(state: RoutingState, candidates: Sequence[str], now: float) -> dict[str, float]:
@@ -167,7 +167,7 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
     _matched: list
     _loads: list
     _scores: list
-    _allowed: Sequence[int]
+    _allowed: Sequence[int] | None  # None: the balance guard allowed every candidate
     _why: str
     _balance_factor: float
     table: Any  # for commit(): where the guess goes
@@ -199,7 +199,7 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
         elif self._shared_prefix:
             text = (f"new content: the {matched[best]} cached blocks are a prefix other requests share "
                     f"(a system prompt), too small a part of this prompt to follow")
-        elif best not in self._allowed:
+        elif self._allowed is not None and best not in self._allowed:
             text = (f"balance guard: {self.candidates[best]} holds {matched[best]} blocks but is over "
                     f"{self._balance_factor}x mean load")
         else:
@@ -324,22 +324,44 @@ class CacheAware:
         # The candidates serve one model, which the gateway gives one prefill rate: scores stay
         # comparable (and ties exact) across them.
         per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
+        if _native_decide is not None and NATIVE:
+            # What follows, in one C call (routing/_decision.c decide: the same steps on the same
+            # doubles); a tie it leaves (the caches' fill and turnover, turns, a name not hashed
+            # yet) is broken below.
+            chosen, why, scores, allowed, tied, holding = _native_decide(
+                matched, loads, delays, prompt_tokens, block, min_match, per_token_s, self.queue_weight, sum(loads),
+                self.balance_factor, self.balance_slack, self.follow_slack, self.follow_abs_slack,
+                tracker.running_prefix, candidates, hashes, self._name_hash)
+            if tied is not None:
+                chosen, why = self._after_load_step(candidates, tied, len(tied) == len(candidates), table,
+                                                    hashes, deepest, n_blocks, holding)
+        else:
+            chosen, why, scores, allowed = self._decide(candidates, hashes, matched, loads, delays, table,
+                                                        prompt_tokens, min_match, per_token_s, deepest)
+        cached_tokens = matched[chosen] * block
+        if cached_tokens > prompt_tokens:
+            cached_tokens = prompt_tokens
+        return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
+                                  allowed, why, self.balance_factor, table, hashes, shared_prefix, estimates)
+
+    def _decide(self, candidates, hashes, matched, loads, delays, table, prompt_tokens: int, min_match: int,
+                per_token_s: float, deepest: int) -> tuple[int, str, list[float], list[int] | None]:
+        """choose() once the matches and loads are known, in Python (the reference for the C
+        call): (chosen index, why a tie went there, the scores, the indices the balance guard
+        allows or None for all)."""
+        tracker = self.state.tracker
+        block = self.state.block_size
+        n_blocks = len(hashes)
         queue_weight = self.queue_weight
         # Balance guard, as "load <= cap" (cap = factor x mean after this request + slack - 1).
         mean_after = (sum(loads) + 1) / len(loads)
         least = min(loads)
         strict_cap = self.balance_factor * mean_after + self.balance_slack - 1
         follow_cap = self.balance_factor * mean_after + self.follow_slack - 1
-        if follow_cap < least + self.follow_abs_slack:  # two-value max()es as conditionals: a fraction of the call
+        if follow_cap < least + self.follow_abs_slack:
             follow_cap = least + self.follow_abs_slack
-        # Scores in one C call (else one comprehension, ~0.3 us a candidate); the guard's
-        # per-candidate test only when it binds (some candidate over the bound and not among the
-        # least loaded).
-        if _native_scores is not None and NATIVE:
-            scores = _native_scores(matched, delays, prompt_tokens, block, min_match, per_token_s, queue_weight)
-        else:
-            scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
-                      + queue_weight * delay for blocks, delay in zip(matched, delays)]
+        scores = [per_token_s * (prompt_tokens - blocks * block if blocks >= min_match else prompt_tokens)
+                  + queue_weight * delay for blocks, delay in zip(matched, delays)]
         bound = least if least > strict_cap else strict_cap  # the least loaded are always allowed
         # The guard bounds following a cache. With nothing cached to follow anywhere, the scores
         # are prefill and queueing alone and already weigh the load: bounding the request count
@@ -348,8 +370,9 @@ class CacheAware:
         # So too when every candidate holds as much of the prompt (a prefix cached everywhere):
         # the cache term is the same for all and the scores are queueing alone.
         if max(loads) <= bound or deepest < min_match or min(matched) == deepest:
-            allowed = range(len(loads))
+            allowed = None
             best_score = min(scores)
+            tied = [i for i, score in enumerate(scores) if score == best_score]
         else:
             # "Already running this prefix": a request in flight there shares at least half of
             # what this prompt would follow (a group's shared document, not only the system
@@ -358,52 +381,47 @@ class CacheAware:
                        if load <= bound or (matched[i] >= min_match and load <= follow_cap and not
                                             tracker.running_prefix(candidates[i], hashes, (matched[i] + 1) // 2))]
             best_score = min([scores[i] for i in allowed])
-        why = ""
-        if allowed.__class__ is range and scores.count(best_score) == 1:  # the usual case: one best, no list
-            chosen = scores.index(best_score)
-            tied = None
-        else:
-            tied = (list(allowed) if max(scores) == best_score and len(allowed) == len(scores)
-                    else [i for i in allowed if scores[i] == best_score])
-            chosen = tied[0]
-        if tied is not None and len(tied) > 1:
-            own_block = int(hashes[min(deepest, n_blocks - 1)]) if n_blocks else None
-            # Tied replicas that all hold the whole prompt take in nothing new from it: where
-            # their caches have room or turn over slowest does not matter, its hash decides.
-            holding = n_blocks and min(matched if len(tied) == len(matched) else [matched[i] for i in tied]) == n_blocks
-            chosen, why = self._break_tie(candidates, tied, loads, table, own_block, n_blocks, holding)
-        cached_tokens = matched[chosen] * block
-        if cached_tokens > prompt_tokens:
-            cached_tokens = prompt_tokens
-        return CacheAwareDecision(candidates[chosen], tuple(candidates), cached_tokens, matched, loads, scores,
-                                  allowed, why, self.balance_factor, table, hashes, shared_prefix, estimates)
+            tied = [i for i in allowed if scores[i] == best_score]
+        if len(tied) == 1:
+            return tied[0], "", scores, allowed
+        # Tied replicas that all hold the whole prompt take in nothing new from it: where
+        # their caches have room or turn over slowest does not matter, its hash decides.
+        holding = bool(n_blocks) and min([matched[i] for i in tied]) == n_blocks
+        chosen, why = self._break_tie(candidates, tied, loads, table, hashes, deepest, n_blocks, holding)
+        return chosen, why, scores, allowed
 
-    def _break_tie(self, candidates, tied: list[int], loads, table, own_block, n_blocks: int,
+    def _break_tie(self, candidates, tied: list[int], loads, table, hashes, deepest: int, n_blocks: int,
                    holding: bool = False) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then slowest cache
         turnover, then a rendezvous hash of the prompt's own first block (a new prefix lands on a
         stable, spread-out replica). `holding`: every tied candidate holds the whole prompt (no
-        cache takes in anything new): the cache steps are skipped. A step whose values are all
-        equal (the common case: an idle pool) costs a min and a max, no list."""
-        everyone = len(tied) == len(candidates)  # then tied is range(len(candidates)) in order
-        values = loads if everyone else [loads[i] for i in tied]
+        cache takes in anything new): the cache steps are skipped."""
+        values = [loads[i] for i in tied]
         low = min(values)
         if max(values) != low:
             tied = [i for i, load in zip(tied, values) if load == low]
             if len(tied) == 1:
                 return tied[0], "least load"
-            everyone = False
+        return self._after_load_step(candidates, tied, len(tied) == len(candidates), table, hashes, deepest,
+                                     n_blocks, holding)
+
+    def _after_load_step(self, candidates, tied: list[int], everyone: bool, table, hashes, deepest: int,
+                         n_blocks: int, holding: bool) -> tuple[int, str]:
+        """_break_tie past its load step (where the C call leaves a tie): the cache steps unless
+        `holding`, then turns for a prompt shorter than a block, else the rendezvous hash of the
+        prompt's first block no replica holds (its last where all hold it). `everyone`: `tied` is
+        every candidate, in order."""
         names = candidates if everyone else [candidates[i] for i in tied]
         if not holding:
             tied, names, why = self._by_cache(candidates, tied, names, table, n_blocks)
             if why:
                 return tied[0], why
-        if own_block is None:  # a prompt shorter than a block caches nothing: take turns
+        if not n_blocks:  # a prompt shorter than a block caches nothing: take turns
             self._turn += 1
             return tied[self._turn % len(tied)], "rotation"
         # 32-bit multiplicative ranks (small ints: a fraction of the cost of 64-bit products);
         # the high bits of the product, which decide the minimum, depend on every bit of h ^ key.
-        key = own_block & _MASK32
+        key = int(hashes[min(deepest, n_blocks - 1)]) & _MASK32
         get, learn = self._name_hash.get, self._hash_name
         ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
         return tied[ranks.index(min(ranks))], "prefix hash"

@@ -404,7 +404,7 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
     the same whether routing/_decision.c's loops or the Python ones made it."""
     from routing import load, policies
 
-    if load._native_loads_and_delays is None or policies._native_scores is None:
+    if load._native_loads_and_delays is None or policies._native_decide is None:
         pytest.skip("routing/_decision.c not built")
 
     def run(native: bool) -> list:
@@ -440,3 +440,6 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
     native, python = run(True), run(False)
     assert native == python
     assert len({replica for replica, *_ in native}) == len(REPLICAS)  # the traffic spread: every path ran
+    reasons = " | ".join({reason for _, _, _, _, reason, _ in native})
+    for step in ("balance guard", "least load", "prefix hash", "emptiest cache"):  # the guard and every tie step
+        assert step in reasons, reasons
