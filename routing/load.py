@@ -34,7 +34,7 @@ _SCRAPED = {
 }
 
 
-@dataclass
+@dataclass(slots=True)  # slots: its fields are read at fixed offsets, here and in routing/_decision.c
 class ScrapedLoad:
     waiting: float = 0.0
     running: float = 0.0
@@ -85,7 +85,7 @@ class LoadModel:
     stale_after_s: float = 10.0
 
 
-@dataclass
+@dataclass(slots=True)  # slots: every decision reads ~10 fields of each candidate (routing/_decision.c)
 class ReplicaLoad:
     waiting: int = 0                 # routed, no first token yet
     pending_prefill_tokens: int = 0  # uncached prompt tokens of those
