@@ -157,10 +157,7 @@ class LoadTracker:
     def prefill_rate(self, replica: str) -> float:
         """Tokens/s `replica` is taken to prefill: the learned rate if one was set, else the model's."""
         load = self.replicas.get(replica)
-        return self._rate(load) if load is not None else self.model.prefill_tokens_per_s
-
-    def _rate(self, load: ReplicaLoad) -> float:
-        return load.prefill_tokens_per_s or self.model.prefill_tokens_per_s
+        return (load is not None and load.prefill_tokens_per_s) or self.model.prefill_tokens_per_s
 
     def set_decode_step_scale(self, replica: str, scale: float | None) -> None:
         """Scale `replica`'s decode step terms by `scale` (None: as configured)."""

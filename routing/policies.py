@@ -489,16 +489,19 @@ class CacheAware:
         """What the policy learns from its own routing, off the decision path: where this prompt's
         match ended (branch points), and in approximate mode that the chosen replica will hold the
         prompt's blocks (a guess, corrected by the cached tokens it reports)."""
-        deepest = max(decision._matched) if decision._matched else 0
+        matched, hashes = decision._matched, decision.hashes
+        deepest = max(matched) if matched else 0
         if deepest:
             points = self._branch_points
-            key = int(decision.hashes[deepest - 1])
-            points[key] = points.get(key, 0) + 1
-            points.move_to_end(key)
+            key = int(hashes[deepest - 1])
+            points[key] = points.pop(key, 0) + 1  # (re)inserted: the most recent, last
             if len(points) > BRANCH_POINTS_KEPT:
                 points.popitem(last=False)
-        if self.learn_from_routing and len(decision.hashes) and decision.table.has_replica(decision.replica):
-            decision.table.insert(decision.replica, decision.hashes, guessed=True, now=self.state.clock())
+        if self.learn_from_routing and len(hashes):
+            try:
+                decision.table.insert(decision.replica, hashes, guessed=True, now=self.state.clock())
+            except KeyError:  # the replica left the table since (removed from the pool)
+                pass
 
 
 class SessionAffinity:

@@ -341,9 +341,9 @@ class PrefixTable:
         A guess never downgrades a block a KV event confirmed; a confirmation clears the guess.
         One C call where routing/_prefix_match.c was built (a few us; the Python paths below, the
         reference, took 150-200 us for a 14-block prompt new to the replica, on every request)."""
-        ring = self._rings[replica]
+        ring = self._rings[replica]  # KeyError: not a replica of this table
         if self.native and _native is not None:
-            keys = _u64(hashes)
+            keys = hashes if hashes.__class__ is np.ndarray and hashes.dtype == _U64 else _u64(hashes)
             if keys.size:
                 index = self._index[replica]
                 if guessed:
