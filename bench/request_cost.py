@@ -13,7 +13,7 @@ Both are counted for round_robin and cache_aware, on a fixed prompt, unique prom
 front: every block new), streamed requests and a long prompt (~2,000 tokens, non-streamed: the
 replica echoes its IDs), with token-ID logging on (bench/vs_routers.py's
 gateway config). `--against REV` counts a git revision the same way in the same run (a worktree
-under the temp dir), for a before/after ratio of a change.
+under the temp dir, its changed C extensions built there), for a before/after ratio of a change.
 
     .venv/bin/python -m bench.request_cost [--counter instructions|opcodes] [--against REV] [--quick]
 
