@@ -28,9 +28,9 @@
 #include <string.h>
 
 static PyObject *s_prefill_tokens_per_s, *s_pending_prefill_tokens, *s_backlog_at, *s_backlog_tokens,
-    *s_waiting, *s_decoding, *s_scraped, *s_extra, *s_at_s, *s_decode_step_scale;
+    *s_waiting, *s_decoding, *s_scraped, *s_extra, *s_at_s, *s_decode_step_scale, *s_routed,
+    *s_decoding_context_tokens, *s_running_prompts, *s_replicas, *s_clock, *s_model, *s_tickets, *s_own_total;
 
-/* obj.name as a double; -1 with an exception set on failure. */
 /* obj.name, read the way LOAD_ATTR reads a slot: a field of a class with __slots__ (ReplicaLoad,
    ScrapedLoad: dataclass(slots=True)) or a msgspec Struct (EstimateLog) is a member descriptor at
    a fixed offset, found once per type (`cache`); any other type, or one whose attribute lookup is
@@ -40,25 +40,39 @@ typedef struct {
     PyMemberDef *member;
 } Field;
 
-static PyObject *get_field(PyObject *obj, PyObject *name, Field *cache) {
+/* Whether obj's type reads (and, `set`, writes) `name` as a slot (then cached), else 0. */
+static int is_slot(PyObject *obj, PyObject *name, Field *cache, int set) {
     PyTypeObject *type = Py_TYPE(obj);
-    if (cache->type != type) {
-        PyObject *descr = type->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(type, name) : NULL;
-        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)
-            || ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX)
-            return PyObject_GetAttr(obj, name);
-        Py_INCREF(type);
-        Py_XSETREF(cache->type, type);
-        cache->member = ((PyMemberDescrObject *)descr)->d_member;
-    }
-    return PyMember_GetOne((const char *)obj, cache->member);
+    if (cache->type == type) return 1;
+    if (type->tp_getattro != PyObject_GenericGetAttr || (set && type->tp_setattro != PyObject_GenericSetAttr))
+        return 0;
+    PyObject *descr = _PyType_Lookup(type, name);
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)
+        || ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX
+        || (((PyMemberDescrObject *)descr)->d_member->flags & READONLY))
+        return 0;
+    Py_INCREF(type);
+    Py_XSETREF(cache->type, type);
+    cache->member = ((PyMemberDescrObject *)descr)->d_member;
+    return 1;
+}
+
+static PyObject *get_field(PyObject *obj, PyObject *name, Field *cache) {
+    return is_slot(obj, name, cache, 0) ? PyMember_GetOne((const char *)obj, cache->member) : PyObject_GetAttr(obj, name);
+}
+
+/* obj.name = value, as STORE_ATTR: 0, or -1 with an exception set. */
+static int set_field(PyObject *obj, PyObject *name, Field *cache, PyObject *value) {
+    return is_slot(obj, name, cache, 1) ? PyMember_SetOne((char *)obj, cache->member, value)
+                                        : PyObject_SetAttr(obj, name, value);
 }
 
 enum { F_PREFILL_RATE, F_PENDING, F_BACKLOG_AT, F_BACKLOG_TOKENS, F_WAITING, F_DECODING, F_SCRAPED, F_EXTRA, F_AT_S,
        F_STEP_SCALE, F_EST_WAITING, F_EST_PENDING, F_EST_DECODING, F_EST_IN_FLIGHT, F_EST_DELAY, F_EST_FRESH,
-       N_FIELDS };
+       F_ROUTED, F_CONTEXT, F_RUNNING, T_REPLICAS, T_CLOCK, T_MODEL, T_TICKETS, T_OWN_TOTAL, M_RATE, N_FIELDS };
 static Field fields[N_FIELDS];
 #define GET(obj, field, name) get_field(obj, name, &fields[field])
+#define SET(obj, field, name, value) set_field(obj, name, &fields[field], value)
 
 static int read_double(PyObject *obj, PyObject *name, int field, double *out) {
     PyObject *value = GET(obj, field, name);
@@ -242,6 +256,217 @@ done:
     Py_XDECREF(loads);
     Py_XDECREF(delays);
     Py_XDECREF(estimates);
+    return out;
+}
+
+/* ---- the tracker's accounting: LoadTracker.on_routed, on_first_token, on_finished --------------
+
+   routed(tracker, replica, prompt_tokens, cached_tokens, block_hashes) -> ticket | None
+   first_token(tracker, replica, prompt_tokens, cached_tokens) -> True | None
+   finished(tracker, replica, prompt_tokens, cached_tokens, started_decoding, ticket) -> True | None
+
+   The steps of routing/load.py's Python lines (the reference; tests compare the two), on the
+   ReplicaLoad's slots: the same ints (counts stay ints), the same doubles for the backlog, the
+   clock's own value stored as backlog_at. None: the replica has no ReplicaLoad yet (the Python
+   lines make one). Every request makes each call once: ~230 Python opcodes a request, most of
+   them attribute reads and writes. */
+
+static int store_long(PyObject *obj, int field, PyObject *name, long long value) {
+    PyObject *number = PyLong_FromLongLong(value);
+    if (number == NULL) return -1;
+    int rc = SET(obj, field, name, number);
+    Py_DECREF(number);
+    return rc;
+}
+
+static int store_float(PyObject *obj, int field, PyObject *name, double value) {
+    PyObject *number = PyFloat_FromDouble(value);
+    if (number == NULL) return -1;
+    int rc = SET(obj, field, name, number);
+    Py_DECREF(number);
+    return rc;
+}
+
+static int add_long(PyObject *obj, int field, PyObject *name, long long delta) {
+    long value;
+    if (read_long(obj, name, field, &value) < 0) return -1;
+    return store_long(obj, field, name, (long long)value + delta);
+}
+
+/* The replica's ReplicaLoad (a new reference), or NULL: none (no exception) or an error. */
+static PyObject *load_of(PyObject *tracker, PyObject *replica) {
+    PyObject *replicas = GET(tracker, T_REPLICAS, s_replicas);
+    if (replicas == NULL) return NULL;
+    PyObject *load = PyDict_Check(replicas) ? PyDict_GetItemWithError(replicas, replica) : NULL;
+    Py_XINCREF(load);
+    if (!PyDict_Check(replicas)) PyErr_SetString(PyExc_TypeError, "tracker.replicas must be a dict");
+    Py_DECREF(replicas);
+    return load;
+}
+
+/* LoadTracker._drain: what the replica prefilled since backlog_at, at its rate (else the model's),
+   taken off the backlog, never below 0. */
+static int drain(PyObject *tracker, PyObject *load) {
+    PyObject *clock = GET(tracker, T_CLOCK, s_clock);
+    if (clock == NULL) return -1;
+    PyObject *now_obj = PyObject_CallNoArgs(clock);
+    Py_DECREF(clock);
+    if (now_obj == NULL) return -1;
+    int rc = -1;
+    double now = PyFloat_AsDouble(now_obj), at, backlog, rate;
+    int has_rate;
+    if ((now == -1.0 && PyErr_Occurred()) || read_double(load, s_backlog_at, F_BACKLOG_AT, &at) < 0) goto done;
+    if (!(now > at)) {
+        rc = 0;
+        goto done;
+    }
+    if (read_double(load, s_backlog_tokens, F_BACKLOG_TOKENS, &backlog) < 0
+        || read_optional(load, s_prefill_tokens_per_s, F_PREFILL_RATE, &rate, &has_rate) < 0)
+        goto done;
+    if (!has_rate || rate == 0.0) {  /* `load's rate or the model's` */
+        PyObject *model = GET(tracker, T_MODEL, s_model);
+        if (model == NULL) goto done;
+        int failed = read_double(model, s_prefill_tokens_per_s, M_RATE, &rate);
+        Py_DECREF(model);
+        if (failed < 0) goto done;
+    }
+    double left = backlog - (now - at) * rate;
+    if (store_float(load, F_BACKLOG_TOKENS, s_backlog_tokens, left > 0.0 ? left : 0.0) < 0
+        || SET(load, F_BACKLOG_AT, s_backlog_at, now_obj) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_DECREF(now_obj);
+    return rc;
+}
+
+static int read_tokens(PyObject *const *args, long long *prompt, long long *cached) {
+    *prompt = PyLong_AsLongLong(args[0]);
+    *cached = PyLong_AsLongLong(args[1]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "routed(tracker, replica, prompt_tokens, cached_tokens, block_hashes)");
+        return NULL;
+    }
+    PyObject *tracker = args[0];
+    long long prompt, cached;
+    if (read_tokens(args + 2, &prompt, &cached) < 0) return NULL;
+    PyObject *load = load_of(tracker, args[1]);
+    if (load == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *ticket = NULL, *tickets = NULL;
+    long long uncached = prompt > cached ? prompt - cached : 0;
+    double backlog;
+    if (add_long(load, F_WAITING, s_waiting, 1) < 0 || add_long(load, F_ROUTED, s_routed, 1) < 0
+        || add_long(tracker, T_OWN_TOTAL, s_own_total, 1) < 0
+        || add_long(load, F_PENDING, s_pending_prefill_tokens, uncached) < 0 || drain(tracker, load) < 0
+        || read_double(load, s_backlog_tokens, F_BACKLOG_TOKENS, &backlog) < 0
+        || store_float(load, F_BACKLOG_TOKENS, s_backlog_tokens, backlog + (double)uncached) < 0)
+        goto done;
+    tickets = GET(tracker, T_TICKETS, s_tickets);
+    if (tickets == NULL) goto done;
+    ticket = PyIter_Next(tickets);
+    if (ticket == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the tracker's tickets ran out");
+        goto done;
+    }
+    Py_ssize_t blocks = PyObject_Length(args[4]);
+    if (blocks < 0) {
+        Py_CLEAR(ticket);
+        goto done;
+    }
+    if (blocks) {  /* remembered while it runs (running_prefix) */
+        PyObject *running = GET(load, F_RUNNING, s_running_prompts);
+        int rc = running == NULL ? -1 : PyObject_SetItem(running, ticket, args[4]);
+        Py_XDECREF(running);
+        if (rc < 0) Py_CLEAR(ticket);
+    }
+done:
+    Py_XDECREF(tickets);
+    Py_DECREF(load);
+    return ticket;
+}
+
+/* on_first_token's steps on a load the caller holds: 0, or -1 with an exception set. */
+static int first_token_of(PyObject *tracker, PyObject *load, long long prompt, long long cached) {
+    long waiting, pending;
+    if (read_long(load, s_waiting, F_WAITING, &waiting) < 0) return -1;
+    if (waiting ? store_long(load, F_WAITING, s_waiting, (long long)waiting - 1)
+                : add_long(tracker, T_OWN_TOTAL, s_own_total, 1))  /* decoding, never counted as waiting */
+        return -1;
+    if (prompt > cached) {
+        if (read_long(load, s_pending_prefill_tokens, F_PENDING, &pending) < 0) return -1;
+        long long left = (long long)pending - (prompt - cached);
+        if (store_long(load, F_PENDING, s_pending_prefill_tokens, left > 0 ? left : 0) < 0) return -1;
+    }
+    if (drain(tracker, load) < 0) return -1;
+    double backlog;
+    PyObject *pending_obj = GET(load, F_PENDING, s_pending_prefill_tokens);
+    if (pending_obj == NULL) return -1;
+    double pending_d = PyFloat_AsDouble(pending_obj);
+    int rc = -1;
+    if ((pending_d == -1.0 && PyErr_Occurred()) || read_double(load, s_backlog_tokens, F_BACKLOG_TOKENS, &backlog) < 0)
+        goto done;
+    if (backlog > pending_d && SET(load, F_BACKLOG_TOKENS, s_backlog_tokens, pending_obj) < 0) goto done;
+    if (add_long(load, F_DECODING, s_decoding, 1) < 0
+        || add_long(load, F_CONTEXT, s_decoding_context_tokens, prompt) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_DECREF(pending_obj);
+    return rc;
+}
+
+static PyObject *first_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "first_token(tracker, replica, prompt_tokens, cached_tokens)");
+        return NULL;
+    }
+    long long prompt, cached;
+    if (read_tokens(args + 2, &prompt, &cached) < 0) return NULL;
+    PyObject *load = load_of(args[0], args[1]);
+    if (load == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    int rc = first_token_of(args[0], load, prompt, cached);
+    Py_DECREF(load);
+    return rc < 0 ? NULL : Py_NewRef(Py_True);
+}
+
+static PyObject *finished(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "finished(tracker, replica, prompt_tokens, cached_tokens, "
+                                         "started_decoding, ticket)");
+        return NULL;
+    }
+    PyObject *tracker = args[0], *ticket = args[5];
+    long long prompt, cached;
+    if (read_tokens(args + 2, &prompt, &cached) < 0) return NULL;
+    int started = PyObject_IsTrue(args[4]);
+    if (started < 0) return NULL;
+    PyObject *load = load_of(tracker, args[1]);
+    if (load == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *out = NULL;
+    long decoding, context;
+    if (!started && first_token_of(tracker, load, prompt, cached) < 0) goto done;
+    if (read_long(load, s_decoding, F_DECODING, &decoding) < 0) goto done;
+    if (decoding && (store_long(load, F_DECODING, s_decoding, (long long)decoding - 1) < 0
+                     || add_long(tracker, T_OWN_TOTAL, s_own_total, -1) < 0))
+        goto done;
+    if (read_long(load, s_decoding_context_tokens, F_CONTEXT, &context) < 0) goto done;
+    long long left = (long long)context - prompt;
+    if (store_long(load, F_CONTEXT, s_decoding_context_tokens, left > 0 ? left : 0) < 0) goto done;
+    if (ticket != Py_None) {  /* running_prompts.pop(ticket, None) */
+        PyObject *running = GET(load, F_RUNNING, s_running_prompts);
+        if (running == NULL) goto done;
+        PyObject *gone = PyObject_CallMethod(running, "pop", "OO", ticket, Py_None);
+        Py_DECREF(running);
+        if (gone == NULL) goto done;
+        Py_DECREF(gone);
+    }
+    out = Py_NewRef(Py_True);
+done:
+    Py_DECREF(load);
     return out;
 }
 
@@ -784,6 +1009,11 @@ done:
 static PyMethodDef methods[] = {
     {"loads_and_delays", (PyCFunction)(void (*)(void))loads_and_delays, METH_FASTCALL,
      "(in_flight, queue_delay_s[, estimate records]) of each named replica; None if one is not tracked yet."},
+    {"routed", (PyCFunction)(void (*)(void))routed, METH_FASTCALL, "LoadTracker.on_routed's steps; None: not tracked yet."},
+    {"first_token", (PyCFunction)(void (*)(void))first_token, METH_FASTCALL,
+     "LoadTracker.on_first_token's steps; None: not tracked yet."},
+    {"finished", (PyCFunction)(void (*)(void))finished, METH_FASTCALL,
+     "LoadTracker.on_finished's steps; None: not tracked yet."},
     {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
      "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, holding)."},
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
@@ -807,6 +1037,14 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s_in_flight, "in_flight");
     INTERN(s_queue_delay_ms, "queue_delay_ms");
     INTERN(s_scraped_fresh, "scraped_fresh");
+    INTERN(s_routed, "routed");
+    INTERN(s_decoding_context_tokens, "decoding_context_tokens");
+    INTERN(s_running_prompts, "running_prompts");
+    INTERN(s_replicas, "replicas");
+    INTERN(s_clock, "clock");
+    INTERN(s_model, "model");
+    INTERN(s_tickets, "_tickets");
+    INTERN(s_own_total, "own_total");
 #undef INTERN
     for (int c = 0; c < 0x20; c++) escaped[c] = 1;
     escaped['"'] = escaped['\\'] = 1;

@@ -16,11 +16,14 @@ from typing import Sequence
 
 import msgspec
 
-try:  # routing/_decision.c: the per-candidate loop in C
+try:  # routing/_decision.c: the per-candidate loop and the per-request accounting in C
+    from routing._decision import finished as _native_finished
+    from routing._decision import first_token as _native_first_token
     from routing._decision import loads_and_delays as _native_loads_and_delays
-except ImportError:  # built without a C compiler: the Python loop below
-    _native_loads_and_delays = None
-NATIVE = True  # False: the Python loop even where the C one was built (tests compare the two)
+    from routing._decision import routed as _native_routed
+except ImportError:  # built without a C compiler: the Python lines below
+    _native_loads_and_delays = _native_routed = _native_first_token = _native_finished = None
+NATIVE = True  # False: the Python lines even where the C ones were built (tests compare the two)
 
 # metric sample name -> field of ScrapedLoad (vLLM and SGLang spellings)
 _SCRAPED = {
@@ -76,7 +79,7 @@ def parse_load_metrics(text: str) -> ScrapedLoad:
     return load
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LoadModel:
     """How tokens turn into seconds; per-deployment numbers, set in the routing YAML."""
     prefill_tokens_per_s: float = 8000.0
@@ -133,6 +136,9 @@ class LoadEstimate:
 
 
 class LoadTracker:
+    # Slots: routing/_decision.c reads and writes them at their offsets, once or twice a request.
+    __slots__ = ("model", "clock", "replicas", "_tickets", "own_total")
+
     def __init__(self, model: LoadModel | None = None, clock=time.monotonic) -> None:
         self.model = model or LoadModel()
         self.clock = clock  # when requests are routed and prefilled (the drain of the backlog)
@@ -174,7 +180,12 @@ class LoadTracker:
     def on_routed(self, replica: str, prompt_tokens: int, cached_tokens: int = 0,
                   block_hashes: Sequence[int] = ()) -> int:
         """Count a request routed to `replica`; returns the ticket on_finished takes back.
-        `block_hashes`: the prompt's, remembered while it runs (see running_prefix)."""
+        `block_hashes`: the prompt's, remembered while it runs (see running_prefix). In one C call
+        where routing/_decision.c was built (the lines below are the reference)."""
+        if _native_routed is not None and NATIVE:
+            ticket = _native_routed(self, replica, prompt_tokens, cached_tokens, block_hashes)
+            if ticket is not None:
+                return ticket  # else not tracked yet: made below
         load = self.replicas.get(replica) or self._get(replica)
         load.waiting += 1
         load.routed += 1
@@ -190,6 +201,9 @@ class LoadTracker:
 
     def on_first_token(self, replica: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """Same arguments as on_routed (the gateway passes what it predicted then)."""
+        if _native_first_token is not None and NATIVE \
+                and _native_first_token(self, replica, prompt_tokens, cached_tokens) is not None:
+            return
         load = self.replicas.get(replica) or self._get(replica)
         if load.waiting:
             load.waiting -= 1  # and decoding += 1 below: own_total stays
@@ -208,6 +222,9 @@ class LoadTracker:
                     started_decoding: bool = True, ticket: int | None = None) -> None:
         """Request over (done, failed or cancelled); started_decoding: on_first_token was called;
         ticket: what on_routed returned."""
+        if _native_finished is not None and NATIVE \
+                and _native_finished(self, replica, prompt_tokens, cached_tokens, started_decoding, ticket) is not None:
+            return
         load = self.replicas.get(replica) or self._get(replica)
         if not started_decoding:
             self.on_first_token(replica, prompt_tokens, cached_tokens)

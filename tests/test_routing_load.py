@@ -271,6 +271,63 @@ def test_the_c_estimate_equals_the_python_loop_to_the_bit():
     assert compared == 4000
 
 
+def test_the_c_accounting_leaves_every_field_as_the_python_lines_do():
+    """Two trackers driven through the same random lives of requests (routed with and without a
+    cached prefix and block hashes, prefilled or not, finished, some on a replica not tracked yet),
+    with scrapes and learned rates between: after every step each replica's fields (value and
+    type: a count stays an int, the backlog a float until the pending count caps it) and the
+    total in flight are the same whether routing/_decision.c or the Python lines kept them."""
+    if load._native_routed is None:
+        pytest.skip("routing/_decision.c not built")
+    from dataclasses import fields
+
+    def snapshot(tracker: LoadTracker) -> list:
+        return [tracker.own_total] + [(name, [(f.name, type(v), v) for f in fields(one) if f.name != "scraped"
+                                              for v in [getattr(one, f.name)]])
+                                      for name, one in sorted(tracker.replicas.items())]
+
+    now = [0.0]
+    trackers = {native: LoadTracker(LoadModel(prefill_tokens_per_s=2000), clock=lambda: now[0])
+                for native in (True, False)}
+    rng = random.Random(3)
+    live: list[tuple[str, int, int, dict, bool]] = []  # (replica, prompt, cached, tickets, decoding)
+    for step_index in range(3000):
+        now[0] += rng.choice((0.0, 0.0005, 0.02, 0.4))
+        step = rng.random()
+        replica = rng.choice(["a", "b", "c", f"new-{step_index}"] if step_index % 50 == 0 else ["a", "b", "c"])
+        for native, tracker in trackers.items():
+            load.NATIVE = native
+            if step < 0.35:
+                if native:
+                    prompt = rng.randint(0, 3000)
+                    cached = rng.choice((0, prompt // 2, prompt + 16))
+                    hashes = rng.choice(((), [rng.getrandbits(64) for _ in range(prompt // 16)]))
+                    live.append((replica, prompt, cached, {}, False))
+                name, prompt, cached, tickets, _ = live[-1]
+                tickets[native] = tracker.on_routed(name, prompt, cached, hashes)
+            elif step < 0.55 and live:
+                if native:
+                    pick = rng.randrange(len(live))
+                name, prompt, cached, tickets, decoding = live[pick]
+                if not decoding:
+                    tracker.on_first_token(name, prompt, cached)
+                if not native:
+                    live[pick] = (name, prompt, cached, tickets, True)
+            elif step < 0.75 and live:
+                if native:
+                    pick = rng.randrange(len(live))
+                name, prompt, cached, tickets, decoding = live[pick]
+                tracker.on_finished(name, prompt, cached, started_decoding=decoding, ticket=tickets[native])
+                if not native:
+                    live.pop(pick)
+            elif step < 0.85:
+                tracker.on_scrape(replica, parse_load_metrics(VLLM), now=now[0])
+            elif step < 0.9:
+                tracker.set_prefill_rate(replica, (None, 700.0, 0.0)[step_index % 3])
+        assert snapshot(trackers[True]) == snapshot(trackers[False]), step_index
+    assert trackers[True].own_total > 0 and len(trackers[True].replicas) > 3
+
+
 def test_a_replica_not_tracked_yet_is_added_and_estimated_idle():
     tracker = LoadTracker(LoadModel(prefill_tokens_per_s=1000))
     tracker.on_routed("a", prompt_tokens=500)
