@@ -297,9 +297,11 @@ static int add_long(PyObject *obj, int field, PyObject *name, long long delta) {
 static PyObject *load_of(PyObject *tracker, PyObject *replica) {
     PyObject *replicas = GET(tracker, T_REPLICAS, s_replicas);
     if (replicas == NULL) return NULL;
-    PyObject *load = PyDict_Check(replicas) ? PyDict_GetItemWithError(replicas, replica) : NULL;
-    Py_XINCREF(load);
-    if (!PyDict_Check(replicas)) PyErr_SetString(PyExc_TypeError, "tracker.replicas must be a dict");
+    PyObject *load = NULL;
+    if (PyDict_Check(replicas))
+        load = Py_XNewRef(PyDict_GetItemWithError(replicas, replica));
+    else
+        PyErr_SetString(PyExc_TypeError, "tracker.replicas must be a dict");
     Py_DECREF(replicas);
     return load;
 }
@@ -456,13 +458,15 @@ static PyObject *finished(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (read_long(load, s_decoding_context_tokens, F_CONTEXT, &context) < 0) goto done;
     long long left = (long long)context - prompt;
     if (store_long(load, F_CONTEXT, s_decoding_context_tokens, left > 0 ? left : 0) < 0) goto done;
-    if (ticket != Py_None) {  /* running_prompts.pop(ticket, None) */
+    if (ticket != Py_None) {  /* running_prompts.pop(ticket, None): a dict's item deleted, none there is no error */
         PyObject *running = GET(load, F_RUNNING, s_running_prompts);
         if (running == NULL) goto done;
-        PyObject *gone = PyObject_CallMethod(running, "pop", "OO", ticket, Py_None);
+        int rc = PyDict_Check(running) ? PyDict_DelItem(running, ticket) : PyObject_DelItem(running, ticket);
         Py_DECREF(running);
-        if (gone == NULL) goto done;
-        Py_DECREF(gone);
+        if (rc < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto done;
+            PyErr_Clear();
+        }
     }
     out = Py_NewRef(Py_True);
 done:

@@ -333,8 +333,7 @@ class CacheAware:
                 self.balance_factor, self.balance_slack, self.follow_slack, self.follow_abs_slack,
                 tracker.running_prefix, candidates, hashes, self._name_hash)
             if tied is not None:
-                chosen, why = self._after_load_step(candidates, tied, len(tied) == len(candidates), table,
-                                                    hashes, deepest, n_blocks, holding)
+                chosen, why = self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding)
         else:
             chosen, why, scores, allowed = self._decide(candidates, hashes, matched, loads, delays, table,
                                                         prompt_tokens, min_match, per_token_s, deepest)
@@ -402,16 +401,14 @@ class CacheAware:
             tied = [i for i, load in zip(tied, values) if load == low]
             if len(tied) == 1:
                 return tied[0], "least load"
-        return self._after_load_step(candidates, tied, len(tied) == len(candidates), table, hashes, deepest,
-                                     n_blocks, holding)
+        return self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding)
 
-    def _after_load_step(self, candidates, tied: list[int], everyone: bool, table, hashes, deepest: int,
-                         n_blocks: int, holding: bool) -> tuple[int, str]:
+    def _after_load_step(self, candidates, tied: list[int], table, hashes, deepest: int, n_blocks: int,
+                         holding: bool) -> tuple[int, str]:
         """_break_tie past its load step (where the C call leaves a tie): the cache steps unless
         `holding`, then turns for a prompt shorter than a block, else the rendezvous hash of the
-        prompt's first block no replica holds (its last where all hold it). `everyone`: `tied` is
-        every candidate, in order."""
-        names = candidates if everyone else [candidates[i] for i in tied]
+        prompt's first block no replica holds (its last where all hold it)."""
+        names = candidates if len(tied) == len(candidates) else [candidates[i] for i in tied]
         if not holding:
             tied, names, why = self._by_cache(candidates, tied, names, table, n_blocks)
             if why:

@@ -343,7 +343,7 @@ class PrefixTable:
         reference, took 150-200 us for a 14-block prompt new to the replica, on every request)."""
         ring = self._rings[replica]  # KeyError: not a replica of this table
         if self.native and _native is not None:
-            keys = hashes if hashes.__class__ is np.ndarray and hashes.dtype == _U64 else _u64(hashes)
+            keys = _u64(hashes)
             if keys.size:
                 index = self._index[replica]
                 if guessed:
