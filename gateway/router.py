@@ -342,8 +342,10 @@ class RoutedAttempt:
         if out is None:
             out = self._log = self.routed.decision.as_log()
             out["mode"] = self._mode
-            if self._estimates is not None:
-                out["load_estimate"] = self._estimates
+            estimates = self._estimates
+            if estimates is not None:
+                out["load_estimate"] = (dict(zip(self.routed.decision.candidates, estimates))
+                                        if type(estimates) is list else estimates)
         if self.retried_after:
             out["retried_after"] = self.retried_after
         return out
@@ -386,13 +388,13 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog]:
+def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog] | list:
     """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
-    try is counted right after this): the records the policy's pass of the tracker made, else
-    one pass of the tracker now."""
+    try is counted right after this): the records the policy's pass of the tracker made (a list
+    aligned with the candidates), else one pass of the tracker now (by name)."""
     estimates = getattr(decision, "load_estimates", None)
     if estimates is not None:
-        return dict(zip(candidates, estimates))
+        return estimates
     return dict(zip(candidates, state.tracker.loads_and_delays(candidates, state.clock(), estimates=True)[2]))
 
 

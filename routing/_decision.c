@@ -20,7 +20,14 @@
    (a list of names, or None), in that key order: written here rather than built as four dicts and
    encoded (~7% of a cache_aware request's instructions). Scores to 6 decimals as routing_log rounds
    them; floats read back as the values repr() writes (put_double), a non-finite one as null, as
-   msgspec does. */
+   msgspec does. `estimates` may also be a list of EstimateLog aligned with `candidates` (a
+   decision's own, as RoutedAttempt keeps them).
+
+   explain_cache_aware(decision, mode, estimates, retried_after) -> bytes
+
+   explain() of a CacheAwareDecision (routing/policies.py), its fields read at their slots and its
+   reason worded here as the `reason` property (the reference) words it: no reason string, no
+   argument lists built in Python (~150 opcodes a request). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -69,7 +76,9 @@ static int set_field(PyObject *obj, PyObject *name, Field *cache, PyObject *valu
 
 enum { F_PREFILL_RATE, F_PENDING, F_BACKLOG_AT, F_BACKLOG_TOKENS, F_WAITING, F_DECODING, F_SCRAPED, F_EXTRA, F_AT_S,
        F_STEP_SCALE, F_EST_WAITING, F_EST_PENDING, F_EST_DECODING, F_EST_IN_FLIGHT, F_EST_DELAY, F_EST_FRESH,
-       F_ROUTED, F_CONTEXT, F_RUNNING, T_REPLICAS, T_CLOCK, T_MODEL, T_TICKETS, T_OWN_TOTAL, M_RATE, N_FIELDS };
+       F_ROUTED, F_CONTEXT, F_RUNNING, T_REPLICAS, T_CLOCK, T_MODEL, T_TICKETS, T_OWN_TOTAL, M_RATE,
+       D_REPLICA, D_CANDIDATES, D_PREDICTED, D_MATCHED, D_LOADS, D_SCORES, D_ALLOWED, D_WHY, D_FACTOR, D_SHARED,
+       N_FIELDS };
 static Field fields[N_FIELDS];
 #define GET(obj, field, name) get_field(obj, name, &fields[field])
 #define SET(obj, field, name, value) set_field(obj, name, &fields[field], value)
@@ -781,7 +790,8 @@ static inline int buf_put(Buf *b, const char *text, Py_ssize_t n) {
 /* Bytes a JSON string writes escaped: '"', '\\' and the control characters. */
 static unsigned char escaped[256];
 
-static int put_str(Buf *b, PyObject *obj) {
+/* A str's text escaped for a JSON string, in quotes unless `bare` (a part of a longer string). */
+static int put_text(Buf *b, PyObject *obj, int bare) {
     if (!PyUnicode_Check(obj)) {
         PyErr_SetString(PyExc_TypeError, "explain: a name or text is not a str");
         return -1;
@@ -790,7 +800,7 @@ static int put_str(Buf *b, PyObject *obj) {
     const char *text = PyUnicode_AsUTF8AndSize(obj, &n);
     if (text == NULL || buf_grow(b, n * 6 + 2) < 0) return -1;  /* the worst case: every byte \u00XX */
     char *out = b->data + b->len;
-    *out++ = '"';
+    if (!bare) *out++ = '"';
     Py_ssize_t i = 0;
     while (i < n) {
         Py_ssize_t start = i;  /* a run that needs no escape (most names and texts: all of them), copied whole */
@@ -818,10 +828,12 @@ static int put_str(Buf *b, PyObject *obj) {
             *out++ = hex[c & 15];
         }
     }
-    *out++ = '"';
+    if (!bare) *out++ = '"';
     b->len = out - b->data;
     return 0;
 }
+
+#define put_str(b, obj) put_text(b, obj, 0)
 
 /* A non-negative integer's digits, at least `min_digits` of them (zeros in front); two at a time
    from a table (a record's numbers are mostly one or two digits). */
@@ -950,7 +962,9 @@ static int put_names(Buf *b, PyObject *names) {
     return rc < 0 ? -1 : PUT(b, "]");
 }
 
-static PyObject *s_in_flight, *s_queue_delay_ms, *s_scraped_fresh;
+static PyObject *s_in_flight, *s_queue_delay_ms, *s_scraped_fresh, *s_replica, *s_candidates,
+    *s_predicted_cached_tokens, *s__matched, *s__loads, *s__scores, *s__allowed, *s__why, *s__balance_factor,
+    *s__shared_prefix;
 
 /* One EstimateLog (routing/load.py) as its JSON object, fields in its order. */
 static int put_estimate(Buf *b, PyObject *estimate) {
@@ -968,6 +982,57 @@ static int put_estimate(Buf *b, PyObject *estimate) {
     return PUT(b, "}");
 }
 
+/* ,"load_estimate":{name: EstimateLog, ...} from a dict of them by name, or from a list of them
+   aligned with `candidates`; nothing for None. */
+static int put_estimates(Buf *b, PyObject *candidates, PyObject *estimates) {
+    if (estimates == Py_None) return 0;
+    if (PUT(b, ",\"load_estimate\":{") < 0) return -1;
+    if (PyDict_Check(estimates)) {
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *name, *estimate;
+        while (PyDict_Next(estimates, &pos, &name, &estimate)) {
+            if ((i++ && PUT(b, ",") < 0) || put_str(b, name) < 0 || PUT(b, ":") < 0 || put_estimate(b, estimate) < 0)
+                return -1;
+        }
+    } else if (PyList_Check(estimates)) {
+        PyObject *names = PySequence_Fast(candidates, "explain: candidates must be a sequence");
+        if (names == NULL) return -1;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(names);
+        int rc = 0;
+        if (PyList_GET_SIZE(estimates) != n) {
+            PyErr_SetString(PyExc_ValueError, "explain: estimates and candidates differ in length");
+            rc = -1;
+        }
+        for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+            if ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(names, i)) < 0 || PUT(b, ":") < 0
+                || put_estimate(b, PyList_GET_ITEM(estimates, i)) < 0)
+                rc = -1;
+        }
+        Py_DECREF(names);
+        if (rc < 0) return -1;
+    } else {
+        PyErr_SetString(PyExc_TypeError, "explain: estimates must be a dict, a list or None");
+        return -1;
+    }
+    return PUT(b, "}");
+}
+
+/* What follows the scores in every routing field, and the closing brace. */
+static int put_tail(Buf *b, PyObject *predicted, PyObject *mode, PyObject *candidates, PyObject *estimates,
+                    PyObject *retried) {
+    if (PUT(b, ",\"predicted_cached_tokens\":") < 0 || put_number(b, predicted, 0) < 0
+        || PUT(b, ",\"mode\":") < 0 || put_str(b, mode) < 0 || put_estimates(b, candidates, estimates) < 0)
+        return -1;
+    if (retried != Py_None && (PUT(b, ",\"retried_after\":") < 0 || put_names(b, retried) < 0)) return -1;
+    return PUT(b, "}");
+}
+
+static PyObject *finish_buf(Buf *b, int rc) {
+    PyObject *out = rc < 0 ? NULL : PyBytes_FromStringAndSize(b->data, b->len);
+    PyMem_Free(b->data);
+    return out;
+}
+
 static PyObject *explain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError, "explain(policy, reason, chosen, candidates, matched_names, matched, "
@@ -976,38 +1041,110 @@ static PyObject *explain(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     Buf b = {NULL, 0, 0};
-    PyObject *out = NULL;
-    PyObject *estimates = args[12], *retried = args[13];
-    if (PUT(&b, "{\"policy\":") < 0 || put_str(&b, args[0]) < 0 || PUT(&b, ",\"reason\":") < 0
-        || put_str(&b, args[1]) < 0 || PUT(&b, ",\"chosen\":") < 0 || put_str(&b, args[2]) < 0
-        || PUT(&b, ",\"candidates\":") < 0 || put_names(&b, args[3]) < 0
-        || PUT(&b, ",\"matched_blocks\":") < 0 || put_object(&b, args[4], args[5], 0) < 0
-        || PUT(&b, ",\"load\":") < 0 || put_object(&b, args[6], args[7], 0) < 0
-        || PUT(&b, ",\"scores\":") < 0 || put_object(&b, args[8], args[9], 1) < 0
-        || PUT(&b, ",\"predicted_cached_tokens\":") < 0 || put_number(&b, args[10], 0) < 0
-        || PUT(&b, ",\"mode\":") < 0 || put_str(&b, args[11]) < 0)
+    int rc = (PUT(&b, "{\"policy\":") < 0 || put_str(&b, args[0]) < 0 || PUT(&b, ",\"reason\":") < 0
+              || put_str(&b, args[1]) < 0 || PUT(&b, ",\"chosen\":") < 0 || put_str(&b, args[2]) < 0
+              || PUT(&b, ",\"candidates\":") < 0 || put_names(&b, args[3]) < 0
+              || PUT(&b, ",\"matched_blocks\":") < 0 || put_object(&b, args[4], args[5], 0) < 0
+              || PUT(&b, ",\"load\":") < 0 || put_object(&b, args[6], args[7], 0) < 0
+              || PUT(&b, ",\"scores\":") < 0 || put_object(&b, args[8], args[9], 1) < 0
+              || put_tail(&b, args[10], args[11], args[3], args[12], args[13]) < 0) ? -1 : 0;
+    return finish_buf(&b, rc);
+}
+
+/* A cache_aware decision's reason, as CacheAwareDecision.reason (routing/policies.py, the reference)
+   words it, written escaped into the JSON string. */
+enum { R_REPLICA, R_CANDIDATES, R_PREDICTED, R_MATCHED, R_LOADS, R_SCORES, R_ALLOWED, R_WHY, R_FACTOR, R_SHARED,
+       N_DECISION_FIELDS };
+
+static int put_reason(Buf *b, PyObject **d) {
+    PyObject *matched = PySequence_Fast(d[R_MATCHED], "explain: matched blocks must be a sequence");
+    if (matched == NULL) return -1;
+    int rc = -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(matched), chosen = PySequence_Index(d[R_CANDIDATES], d[R_REPLICA]);
+    if (chosen < 0) goto done;
+    if (chosen >= n) {
+        PyErr_SetString(PyExc_IndexError, "explain: fewer matched blocks than candidates");
         goto done;
-    if (estimates != Py_None) {
-        if (!PyDict_Check(estimates)) {
-            PyErr_SetString(PyExc_TypeError, "explain: estimates must be a dict or None");
-            goto done;
-        }
-        if (PUT(&b, ",\"load_estimate\":{") < 0) goto done;
-        Py_ssize_t pos = 0, i = 0;
-        PyObject *name, *estimate;
-        while (PyDict_Next(estimates, &pos, &name, &estimate)) {
-            if ((i++ && PUT(&b, ",") < 0) || put_str(&b, name) < 0 || PUT(&b, ":") < 0
-                || put_estimate(&b, estimate) < 0)
-                goto done;
-        }
-        if (PUT(&b, "}") < 0) goto done;
     }
-    if (retried != Py_None && (PUT(&b, ",\"retried_after\":") < 0 || put_names(&b, retried) < 0)) goto done;
-    if (PUT(&b, "}") < 0) goto done;
-    out = PyBytes_FromStringAndSize(b.data, b.len);
+    Py_ssize_t best = 0;
+    long long deepest = 0, at_chosen = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long blocks = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(matched, i));
+        if (blocks == -1 && PyErr_Occurred()) goto done;
+        if (i == 0 || blocks > deepest) {  /* the first of the deepest */
+            best = i;
+            deepest = blocks;
+        }
+        if (i == chosen) at_chosen = blocks;
+    }
+    if (deepest == at_chosen) {
+        if (at_chosen ? (PUT(b, "longest prefix (") < 0 || put_long(b, at_chosen) < 0
+                         || PUT(b, " blocks) at lowest cost") < 0)
+                      : PUT(b, "no cached prefix; lowest queueing delay") < 0)
+            goto done;
+    } else {
+        int shared = PyObject_IsTrue(d[R_SHARED]), guarded = 0;
+        if (shared < 0) goto done;
+        if (!shared && d[R_ALLOWED] != Py_None) {
+            PyObject *index = PyLong_FromSsize_t(best);
+            if (index == NULL) goto done;
+            int in = PySequence_Contains(d[R_ALLOWED], index);
+            Py_DECREF(index);
+            if (in < 0) goto done;
+            guarded = !in;
+        }
+        PyObject *name = PySequence_GetItem(d[R_CANDIDATES], best);
+        if (name == NULL) goto done;
+        int failed;
+        if (shared) {
+            failed = PUT(b, "new content: the ") < 0 || put_long(b, deepest) < 0
+                     || PUT(b, " cached blocks are a prefix other requests share (a system prompt), too small a "
+                               "part of this prompt to follow") < 0;
+        } else if (guarded) {
+            PyObject *factor = PyObject_Str(d[R_FACTOR]);
+            failed = factor == NULL || PUT(b, "balance guard: ") < 0 || put_text(b, name, 1) < 0
+                     || PUT(b, " holds ") < 0 || put_long(b, deepest) < 0 || PUT(b, " blocks but is over ") < 0
+                     || put_text(b, factor, 1) < 0 || PUT(b, "x mean load") < 0;
+            Py_XDECREF(factor);
+        } else {
+            failed = PUT(b, "queueing at ") < 0 || put_text(b, name, 1) < 0 || PUT(b, " outweighs its ") < 0
+                     || put_long(b, deepest - at_chosen) < 0 || PUT(b, " extra cached blocks") < 0;
+        }
+        Py_DECREF(name);
+        if (failed) goto done;
+    }
+    int why = PyObject_IsTrue(d[R_WHY]);
+    if (why < 0 || (why && (PUT(b, "; tie broken by ") < 0 || put_text(b, d[R_WHY], 1) < 0))) goto done;
+    rc = 0;
 done:
-    PyMem_Free(b.data);
-    return out;
+    Py_DECREF(matched);
+    return rc;
+}
+
+static PyObject *explain_cache_aware(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "explain_cache_aware(decision, mode, estimates, retried_after)");
+        return NULL;
+    }
+    PyObject *names[N_DECISION_FIELDS] = {s_replica, s_candidates, s_predicted_cached_tokens, s__matched, s__loads,
+                                          s__scores, s__allowed, s__why, s__balance_factor, s__shared_prefix};
+    PyObject *d[N_DECISION_FIELDS] = {NULL};
+    Buf b = {NULL, 0, 0};
+    int rc = -1;
+    for (int i = 0; i < N_DECISION_FIELDS; i++) {
+        if ((d[i] = GET(args[0], D_REPLICA + i, names[i])) == NULL) goto done;
+    }
+    PyObject *candidates = d[R_CANDIDATES];
+    rc = (PUT(&b, "{\"policy\":\"cache_aware\",\"reason\":\"") < 0 || put_reason(&b, d) < 0
+          || PUT(&b, "\",\"chosen\":") < 0 || put_str(&b, d[R_REPLICA]) < 0
+          || PUT(&b, ",\"candidates\":") < 0 || put_names(&b, candidates) < 0
+          || PUT(&b, ",\"matched_blocks\":") < 0 || put_object(&b, candidates, d[R_MATCHED], 0) < 0
+          || PUT(&b, ",\"load\":") < 0 || put_object(&b, candidates, d[R_LOADS], 0) < 0
+          || PUT(&b, ",\"scores\":") < 0 || put_object(&b, candidates, d[R_SCORES], 1) < 0
+          || put_tail(&b, d[R_PREDICTED], args[1], candidates, args[2], args[3]) < 0) ? -1 : 0;
+done:
+    for (int i = 0; i < N_DECISION_FIELDS; i++) Py_XDECREF(d[i]);
+    return finish_buf(&b, rc);
 }
 
 static PyMethodDef methods[] = {
@@ -1021,6 +1158,8 @@ static PyMethodDef methods[] = {
     {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
      "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, holding)."},
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
+    {"explain_cache_aware", (PyCFunction)(void (*)(void))explain_cache_aware, METH_FASTCALL,
+     "explain() of a CacheAwareDecision, its reason worded here."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1049,6 +1188,16 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s_model, "model");
     INTERN(s_tickets, "_tickets");
     INTERN(s_own_total, "own_total");
+    INTERN(s_replica, "replica");
+    INTERN(s_candidates, "candidates");
+    INTERN(s_predicted_cached_tokens, "predicted_cached_tokens");
+    INTERN(s__matched, "_matched");
+    INTERN(s__loads, "_loads");
+    INTERN(s__scores, "_scores");
+    INTERN(s__allowed, "_allowed");
+    INTERN(s__why, "_why");
+    INTERN(s__balance_factor, "_balance_factor");
+    INTERN(s__shared_prefix, "_shared_prefix");
 #undef INTERN
     for (int c = 0; c < 0x20; c++) escaped[c] = 1;
     escaped['"'] = escaped['\\'] = 1;

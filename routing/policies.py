@@ -25,9 +25,9 @@ import xxhash
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
 
 try:  # routing/_decision.c: cache_aware's choice from the matches and loads, in C
-    from routing._decision import decide as _native_decide
-except ImportError:  # built without a C compiler: the Python lines in choose()
-    _native_decide = None
+    from routing._decision import decide as _native_decide, explain_cache_aware as _explain_cache_aware
+except ImportError:  # built without a C compiler: the Python lines in choose(), and the record's dict
+    _native_decide = _explain_cache_aware = None
 NATIVE = True  # False: the Python lines even where the C call was built (tests compare the two)
 
 
@@ -207,9 +207,10 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
                     f"extra cached blocks")
         return text + (f"; tie broken by {self._why}" if self._why else "")
 
-    def log_columns(self) -> tuple:
-        """(candidates, matched blocks, loads, scores), aligned: routing_json's input."""
-        return self.candidates, self._matched, self._loads, self._scores
+    def explain_json(self, mode: str, estimates, retried_after: list | None) -> msgspec.Raw:
+        """routing.policy.routing_json of this decision: one C call that reads the fields and words
+        `reason` as the property above does (its reference)."""
+        return msgspec.Raw(_explain_cache_aware(self, mode, estimates, retried_after))
 
     def as_log(self) -> dict:
         """decision_log's record, from the aligned lists (no dict of scores made to be rounded)."""

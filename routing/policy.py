@@ -105,23 +105,21 @@ def routing_log(policy: str, reason: str, chosen: str, candidates, matched_block
             "predicted_cached_tokens": predicted_cached_tokens}
 
 
-def routing_json(decision, mode: str, estimates: dict | None, retried_after: list | None) -> msgspec.Raw | None:
+def routing_json(decision, mode: str, estimates, retried_after: list | None) -> msgspec.Raw | None:
     """The `routing` field of a request record as JSON, ready to go into the record's encoding:
-    routing_log's object plus `mode`, `load_estimate` (name -> EstimateLog) and `retried_after`
-    when given, written by routing/_decision.c in one call instead of four dicts built and then
-    encoded. None where the C module was not built (the record keeps the dict)."""
+    routing_log's object plus `mode`, `load_estimate` (EstimateLog by name: a dict, or a list
+    aligned with the decision's candidates) and `retried_after` when given, written by
+    routing/_decision.c in one call instead of four dicts built and then encoded. A decision with
+    an `explain_json` method (cache_aware's) writes its own. None where the C module was not built
+    (the record keeps the dict)."""
     if _explain is None or not NATIVE:
         return None
-    columns = getattr(decision, "log_columns", None)
-    if columns is not None:
-        names, matched, loads, scores = columns()
-        matched_names = load_names = scored = names
-    else:
-        m, l, s = decision.matched_blocks, decision.load, decision.scores
-        matched_names, matched, load_names, loads, scored, scores = m.keys(), m.values(), l.keys(), l.values(), \
-            s.keys(), s.values()
+    own = getattr(decision, "explain_json", None)
+    if own is not None:
+        return own(mode, estimates, retried_after)
+    m, l, s = decision.matched_blocks, decision.load, decision.scores
     return msgspec.Raw(_explain(decision.policy, decision.reason, decision.replica, decision.candidates,
-                                matched_names, matched, load_names, loads, scored, scores,
+                                m.keys(), m.values(), l.keys(), l.values(), s.keys(), s.values(),
                                 decision.predicted_cached_tokens, mode, estimates, retried_after))
 
 

@@ -66,14 +66,40 @@ def test_the_routing_field_written_in_c_reads_as_the_dict_it_replaces(name):
         policy.commit(decision)
         estimates = dict(zip(names, [EstimateLog(i, 100 * i, 2 * i, i + 1, 0.001 * i + 1e-7, i % 2 == 0)
                                      for i in range(len(names))]))
-        for extra in ((None, None), (estimates, None), (estimates, ["r0", 'q"uote'])):
+        listed = list(estimates.values())  # as RoutedAttempt keeps a decision's own: aligned with its candidates
+        for extra in ((None, None), (estimates, None), (estimates, ["r0", 'q"uote']), (listed, ["r0"])):
             expected = decision.as_log() | {"mode": "precise"}
             if extra[0] is not None:
-                expected["load_estimate"] = extra[0]
+                expected["load_estimate"] = estimates
             if extra[1] is not None:
                 expected["retried_after"] = extra[1]
             written = routing_json(decision, "precise", *extra)
             assert msgspec.json.decode(written) == msgspec.json.decode(msgspec.json.encode(expected))
+
+
+def test_cache_aware_reasons_written_in_c_read_as_the_property_words_them():
+    """explain_cache_aware words the reason in C: every branch of CacheAwareDecision.reason (its
+    reference), with names and tie reasons that need escaping."""
+    pytest.importorskip("routing._decision")
+    from routing.policies import CacheAwareDecision
+    from routing.policy import routing_json
+    names = ("r0", 'q"uote', "back\\slash", "\u00e9t\u00e9\n")
+    cases = [  # (chosen, matched, allowed, why, shared prefix, balance factor)
+        (1, [0, 0, 0, 0], None, "", False, 1.25),
+        (2, [3, 5, 5, 0], None, "least load", False, 1.25),
+        (0, [2, 7, 1, 0], [0, 2, 3], "", False, 1.5),
+        (0, [2, 7, 1, 0], [0, 2, 3], "", False, 2),
+        (3, [2, 7, 1, 0], None, 'prefix "hash"\n', False, 1.25),
+        (0, [0, 4, 4, 1], [0, 1, 2, 3], "", True, 1.25),
+        (2, [0, 4, 1, 1], [0, 1, 2, 3], "rotation", False, 1.25),
+    ]
+    for chosen, matched, allowed, why, shared, factor in cases:
+        decision = CacheAwareDecision(names[chosen], names, 16 * matched[chosen], matched, [1, 2.5, 0, 3],
+                                      [0.25, 1e-7, 3.0, 0.1 + 0.2], allowed, why, factor, None, (), shared)
+        expected = decision.as_log() | {"mode": "approximate", "retried_after": ["r0"]}
+        written = routing_json(decision, "approximate", None, ["r0"])
+        assert msgspec.json.decode(written) == msgspec.json.decode(msgspec.json.encode(expected))
+        assert msgspec.json.decode(written)["reason"] == decision.reason
 
 
 def test_the_routing_field_written_in_c_keeps_every_number_as_it_reads():
