@@ -326,9 +326,6 @@ class RoutedAttempt:
         self._estimates = estimates
         self._log: dict | None = None
         self.retried_after: list[str] | None = None  # the replicas this request failed on before
-        if decision.predicted_cached_tokens:
-            metrics = router.metrics
-            metrics.add(metrics.predicted_cached_tokens, self.replica, decision.predicted_cached_tokens)
 
     @property
     def started_decoding(self) -> bool:
@@ -377,12 +374,18 @@ class RoutedAttempt:
         router, replica = self.router, self.replica
         if self.routed.done:
             return
+        predicted = self.routed.predicted_cached_tokens
         if self.cached_tokens is not None:
+            # The try's predicted and reported cached tokens, counted together as it ends.
             metrics = router.metrics
-            metrics.add(metrics.reported_cached_tokens, replica, self.cached_tokens)
+            metrics.add(metrics.reported_cached_tokens, replica, self.cached_tokens,
+                        metrics.predicted_cached_tokens if predicted else None, predicted)
             uncached = self.routed.prompt_tokens - self.cached_tokens
             if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:
                 router.observe_prefill(replica, uncached, self.first_token_s - self.routed_s)
+        elif predicted:
+            metrics = router.metrics
+            metrics.add(metrics.predicted_cached_tokens, replica, predicted)
         if self.decode_sample is not None and self.decode_sample[0] >= DECODE_MIN_TOKENS - 1:
             router.observe_decode(replica, self.batch, *self.decode_sample)
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))

@@ -151,13 +151,17 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*values)
         return child
 
-    def add(self, metric, replica: str, amount: float = 1) -> None:
+    def add(self, metric, replica: str, amount: float = 1, also=None, also_amount: float = 0) -> None:
         """metric.labels(replica).inc(amount), folded in with the next flush (a Gauge's amount may
-        be negative): per request, a dict update instead of a locked prometheus_client update."""
+        be negative): per request, a dict update instead of a locked prometheus_client update.
+        `also`: a second metric of the same replica, added `also_amount` under the same lock."""
         key = (metric, replica)
         with self._lock:
             adds = self._adds
             adds[key] = adds.get(key, 0) + amount
+            if also is not None:
+                key = (also, replica)
+                adds[key] = adds.get(key, 0) + also_amount
             self._pending_adds += 1
             full = self._pending_adds >= FLUSH_EVERY
         if full:

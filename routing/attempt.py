@@ -54,16 +54,21 @@ class Attempt:
             return  # removed by a reload while this ran: nothing of it is tracked any more
         state.tracker.on_finished(self.replica, self.prompt_tokens, self.predicted_cached_tokens,
                                   started_decoding=self.started_decoding, ticket=self._ticket)
-        if precise or not self.decision.matched_blocks:
-            return  # not a prefix-table policy, or KV events keep the table right
+        if precise:
+            return  # KV events keep the table right
+        block = state.block_size
+        predicted_blocks = self.predicted_cached_tokens // block
+        if self.started_decoding and (cached_tokens is None or cached_tokens // block >= predicted_blocks):
+            return  # the guess held (most tries): nothing to correct
+        if not self.decision.matched_blocks:
+            return  # not a prefix-table policy
         table = state.table(self.model)
-        predicted_blocks = self.predicted_cached_tokens // state.block_size
         if not self.started_decoding:
             # The guess assumed the prompt would be cached there; it never got computed.
             table.correct(self.replica, self.hashes, predicted_blocks)
-        elif cached_tokens is not None and cached_tokens // state.block_size < predicted_blocks:
+        else:
             # The replica had evicted part of what we believed it held. Drop those claims, then
             # record the prompt again: the replica has just recomputed it, so it holds it now
             # (as the newest entries of its ring, which is what LRU on the replica did too).
-            table.correct(self.replica, self.hashes[:predicted_blocks], cached_tokens // state.block_size)
+            table.correct(self.replica, self.hashes[:predicted_blocks], cached_tokens // block)
             table.insert(self.replica, self.hashes, guessed=True, now=state.clock())
