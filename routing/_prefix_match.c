@@ -597,6 +597,177 @@ static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromSsize_t(dropped);
 }
 
+/* ---- the table's own calls: PrefixTable.match_lengths and insert(guessed=True) over its attributes ---
+ * table_match(table, keys, now, candidates) -> list[int] | None
+ * table_guess(table, replica, keys, now) -> int | None
+ * What the PrefixTable methods do before their C call (the candidates' bits from the table's memo,
+ * the clock tick, the expiry bound, the replica's ring and bit), here instead of in ~100 Python
+ * opcodes each, for cache_aware's choose and commit on every request. None where the method must
+ * serve (the table's native switch off, keys that are not a uint64 array, candidates not memoised
+ * yet): the caller then calls it. table_guess raises KeyError for a replica the table lacks, as
+ * insert does. */
+
+static PyObject *s_native, *s_bits_memo, *s_guess_ttl_ticks, *s_guessing, *s_t0, *s_lines, *s_gs, *s_rings,
+    *s_index, *s_counts, *s_hashes, *s_seen, *s_pos;
+
+/* Whether `keys` is a C-contiguous uint64 array (the gateway's block hashes). */
+static int is_u64(PyObject *keys) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(keys, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view.format ? view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int ok = view.itemsize == 8 && (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0);
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+/* The table's clock tick at `now` (PrefixTable._tick: its origin set by the first call). */
+static int tick_of(PyObject *table, double now, long long *tick) {
+    PyObject *t0_obj = PyObject_GetAttr(table, s_t0);
+    if (t0_obj == NULL) return -1;
+    double t0;
+    if (t0_obj == Py_None) {
+        PyObject *origin = PyFloat_FromDouble(now);
+        int rc = origin == NULL ? -1 : PyObject_SetAttr(table, s_t0, origin);
+        Py_XDECREF(origin);
+        t0 = now;
+        if (rc < 0) {
+            Py_DECREF(t0_obj);
+            return -1;
+        }
+    } else {
+        t0 = PyFloat_AsDouble(t0_obj);
+        if (t0 == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(t0_obj);
+            return -1;
+        }
+    }
+    Py_DECREF(t0_obj);
+    long long value = (long long)((now - t0) * 100.0);  /* TICKS_PER_S; truncated as int() does */
+    *tick = value > 0 ? value : 0;
+    return 0;
+}
+
+/* 1 where table.native is true, 0 where not, -1 on error. */
+static int native_on(PyObject *table) {
+    PyObject *flag = PyObject_GetAttr(table, s_native);
+    if (flag == NULL) return -1;
+    int on = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    return on;
+}
+
+static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "table_match(table, keys, now, candidates)");
+        return NULL;
+    }
+    PyObject *table = args[0], *keys = args[1];
+    double now = PyFloat_AsDouble(args[2]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    int on = native_on(table);
+    if (on <= 0) return on < 0 ? NULL : Py_NewRef(Py_None);
+    if (!is_u64(keys)) Py_RETURN_NONE;
+    PyObject *memo_dict = PyObject_GetAttr(table, s_bits_memo);
+    if (memo_dict == NULL) return NULL;
+    PyObject *key = PySequence_Tuple(args[3]);
+    PyObject *memo = key == NULL || !PyDict_Check(memo_dict) ? NULL : PyDict_GetItemWithError(memo_dict, key);
+    Py_XINCREF(memo);
+    Py_XDECREF(key);
+    Py_DECREF(memo_dict);
+    if (memo == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *out = NULL, *ttl_obj = NULL, *guessing_obj = NULL, *oldest = NULL, *lines = NULL, *gs = NULL;
+    if (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 2) {
+        PyErr_SetString(PyExc_TypeError, "table_match: the bits memo holds (bits, want) tuples");
+        goto done;
+    }
+    PyObject *bits = PyTuple_GET_ITEM(memo, 0), *want = PyTuple_GET_ITEM(memo, 1);
+    if ((ttl_obj = PyObject_GetAttr(table, s_guess_ttl_ticks)) == NULL
+        || (guessing_obj = PyObject_GetAttr(table, s_guessing)) == NULL)
+        goto done;
+    long long ttl = PyLong_AsLongLong(ttl_obj);
+    unsigned long long guessing = PyLong_AsUnsignedLongLongMask(guessing_obj), wanted = PyLong_AsUnsignedLongLongMask(want);
+    if (PyErr_Occurred()) goto done;
+    long long oldest_live = 0;  /* PrefixTable._oldest_live */
+    if (ttl && (guessing & wanted)) {
+        long long tick;
+        if (tick_of(table, now, &tick) < 0) goto done;
+        oldest_live = tick - ttl > 0 ? tick - ttl : 0;
+    }
+    if ((oldest = PyLong_FromLongLong(oldest_live)) == NULL || (lines = PyObject_GetAttr(table, s_lines)) == NULL
+        || (gs = PyObject_GetAttr(table, s_gs)) == NULL)
+        goto done;
+    PyObject *call[6] = {lines, gs, keys, want, oldest, bits};
+    out = match_lengths(NULL, call, 6);
+done:
+    Py_DECREF(memo);
+    Py_XDECREF(ttl_obj);
+    Py_XDECREF(guessing_obj);
+    Py_XDECREF(oldest);
+    Py_XDECREF(lines);
+    Py_XDECREF(gs);
+    return out;
+}
+
+static PyObject *table_guess(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "table_guess(table, replica, keys, now)");
+        return NULL;
+    }
+    PyObject *table = args[0], *replica = args[1], *keys = args[2];
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *rings = PyObject_GetAttr(table, s_rings);
+    if (rings == NULL) return NULL;
+    PyObject *ring = PyObject_GetItem(rings, replica);  /* KeyError: not a replica of this table */
+    Py_DECREF(rings);
+    if (ring == NULL) return NULL;
+    PyObject *out = NULL, *index_dict = NULL, *index = NULL, *guessing = NULL, *more = NULL, *tick_obj = NULL;
+    PyObject *arrays[6] = {NULL};  /* lines, records, ring hashes, ring seen, ring pos, counts */
+    int on = native_on(table);
+    if (on <= 0 || !is_u64(keys)) {
+        if (on == 0 || (on > 0 && !PyErr_Occurred())) out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (PyObject_Length(keys) == 0) {
+        out = PyLong_FromLong(0);
+        goto done;
+    }
+    if ((index_dict = PyObject_GetAttr(table, s_index)) == NULL || (index = PyObject_GetItem(index_dict, replica)) == NULL)
+        goto done;
+    long bit = PyLong_AsLong(index);
+    if ((bit == -1 && PyErr_Occurred()) || (guessing = PyObject_GetAttr(table, s_guessing)) == NULL) goto done;
+    if (bit < 0 || bit >= 64) {
+        PyErr_SetString(PyExc_ValueError, "table_guess: a replica's bit is in [0, 64)");
+        goto done;
+    }
+    PyObject *mask = PyLong_FromUnsignedLongLong(1ULL << bit);
+    more = mask == NULL ? NULL : PyNumber_Or(guessing, mask);  /* PrefixTable._guessing |= 1 << index */
+    Py_XDECREF(mask);
+    if (more == NULL || PyObject_SetAttr(table, s_guessing, more) < 0) goto done;
+    long long tick;
+    if (tick_of(table, now, &tick) < 0 || (tick_obj = PyLong_FromLongLong(tick)) == NULL) goto done;
+    PyObject *owners[6] = {table, table, ring, ring, ring, table};
+    PyObject *names[6] = {s_lines, s_gs, s_hashes, s_seen, s_pos, s_counts};
+    for (int i = 0; i < 6; i++)
+        if ((arrays[i] = PyObject_GetAttr(owners[i], names[i])) == NULL) goto done;
+    PyObject *call[10] = {arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], arrays[5], keys, index, Py_True,
+                          tick_obj};
+    out = insert(NULL, call, 10);
+done:
+    Py_DECREF(ring);
+    Py_XDECREF(index_dict);
+    Py_XDECREF(index);
+    Py_XDECREF(guessing);
+    Py_XDECREF(more);
+    Py_XDECREF(tick_obj);
+    for (int i = 0; i < 6; i++) Py_XDECREF(arrays[i]);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL,
      "Record that a replica holds these blocks (see PrefixTable.insert)."},
@@ -604,9 +775,30 @@ static PyMethodDef methods[] = {
      "A replica no longer holds these blocks (see PrefixTable.remove)."},
     {"match_lengths", (PyCFunction)(void (*)(void))match_lengths, METH_FASTCALL,
      "Matched prefix length in blocks of each candidate (see routing/prefix_table.py)."},
+    {"table_match", (PyCFunction)(void (*)(void))table_match, METH_FASTCALL,
+     "PrefixTable.match_lengths over the table's attributes; None where the method must serve."},
+    {"table_guess", (PyCFunction)(void (*)(void))table_guess, METH_FASTCALL,
+     "PrefixTable.insert(guessed=True) over the table's attributes; None where the method must serve."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_prefix_match", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__prefix_match(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__prefix_match(void) {
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_native, "native");
+    INTERN(s_bits_memo, "_bits_memo");
+    INTERN(s_guess_ttl_ticks, "guess_ttl_ticks");
+    INTERN(s_guessing, "_guessing");
+    INTERN(s_t0, "_t0");
+    INTERN(s_lines, "_lines");
+    INTERN(s_gs, "_gs");
+    INTERN(s_rings, "_rings");
+    INTERN(s_index, "_index");
+    INTERN(s_counts, "_counts");
+    INTERN(s_hashes, "hashes");
+    INTERN(s_seen, "seen");
+    INTERN(s_pos, "pos");
+#undef INTERN
+    return PyModule_Create(&module);
+}

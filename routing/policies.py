@@ -23,6 +23,7 @@ import msgspec
 import xxhash
 
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
+from routing.prefix_table import native_guess as _native_guess, native_match as _native_match
 
 try:  # routing/_decision.c: cache_aware's choice from the matches and loads, in C
     from routing._decision import decide as _native_decide, explain_cache_aware as _explain_cache_aware
@@ -308,7 +309,12 @@ class CacheAware:
             hashes = state.hashes(request)
         table = state.tables.get(request.model) or state.table(request.model)
         n_blocks = len(hashes)
-        matched = table.match_lengths(hashes, now, candidates) if n_blocks else [0] * len(candidates)
+        if n_blocks:
+            matched = _native_match(table, hashes, now, candidates) if _native_match is not None else None
+            if matched is None:
+                matched = table.match_lengths(hashes, now, candidates)
+        else:
+            matched = [0] * len(candidates)
         loads, delays, estimates = tracker.loads_and_delays(candidates, now, estimates=True)
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
@@ -496,8 +502,10 @@ class CacheAware:
             if len(points) > BRANCH_POINTS_KEPT:
                 points.popitem(last=False)
         if self.learn_from_routing and len(hashes):
+            table, replica, now = decision.table, decision.replica, self.state.clock()
             try:
-                decision.table.insert(decision.replica, hashes, guessed=True, now=self.state.clock())
+                if _native_guess is None or _native_guess(table, replica, hashes, now) is None:
+                    table.insert(replica, hashes, guessed=True, now=now)
             except KeyError:  # the replica left the table since (removed from the pool)
                 pass
 

@@ -28,6 +28,14 @@ try:  # the lookup loop in C, compiled by `pip install` where a C compiler is fo
 except ImportError:  # pragma: no cover - depends on the install
     _native = None
 
+# match_lengths(hashes, now, candidates) and insert(replica, hashes, guessed=True, now) of a table
+# (its first argument) in one C call each, for cache_aware's choose and commit on every request:
+# None where the method must serve instead (no C build, the table's native switch off, hashes
+# that are not a uint64 array, candidates the table has not memoised yet).
+native_match = native_guess = None
+if _native is not None:
+    native_match, native_guess = _native.table_match, _native.table_guess
+
 SLOTS_PER_BUCKET = 4  # 4 keys + their 4 `held` masks: one 64-byte line per bucket; shifts (>> 2, & 3) assume 4
 _LANE_BITS = 2
 MAX_REPLICAS = 64

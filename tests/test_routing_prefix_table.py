@@ -255,9 +255,8 @@ class _ReferenceTable:
             assert table.size(name) == len(held) <= table.capacity(name)
 
 
-LOOKUPS = [pytest.param(False, id="numpy"),
-           pytest.param(True, id="C", marks=pytest.mark.skipif(prefix_table._native is None,
-                                                              reason="routing/_prefix_match.c not built"))]
+_NEEDS_C = pytest.mark.skipif(prefix_table._native is None, reason="routing/_prefix_match.c not built")
+LOOKUPS = [pytest.param(False, id="numpy"), pytest.param(True, id="C", marks=_NEEDS_C)]
 
 
 def test_the_c_lookup_is_built_where_a_compiler_is():
@@ -267,12 +266,39 @@ def test_the_c_lookup_is_built_where_a_compiler_is():
     assert prefix_table._native is not None
 
 
-@pytest.mark.parametrize("native", LOOKUPS)
+class _TableCalls:
+    """The table driven as cache_aware drives it on every request: its guesses and matches
+    through the one-call native_guess / native_match (the methods serve only what those decline)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def insert(self, name, hashes, guessed, now):
+        if not guessed:
+            return self.table.insert(name, hashes, guessed=False, now=now)
+        assert prefix_table.native_guess(self.table, name, np.array(hashes, dtype=np.uint64), now) is not None
+
+    def match(self, hashes, now, candidates=None):
+        names = list(self.table.replicas() if candidates is None else candidates)
+        keys = np.array(hashes, dtype=np.uint64)
+        lengths = prefix_table.native_match(self.table, keys, now, names)
+        if lengths is None:  # candidates the table has not memoised yet: the method serves, and memoises them
+            assert self.table.match_lengths(keys, now, names) is not None
+            lengths = prefix_table.native_match(self.table, keys, now, names)
+        return dict(zip(names, lengths))
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+
+@pytest.mark.parametrize("native", LOOKUPS + [pytest.param("calls", id="C-one-call", marks=_NEEDS_C)])
 def test_match_equals_reference_through_evictions_and_ttl(native):
     rng = np.random.default_rng(7)
     replicas = ["a", "b", "c", "d"]
     table = _table(*replicas, capacity=48, ttl=3.0)  # ~24 buckets: ring and bucket evictions both happen
-    table.native = native
+    table.native = bool(native)
+    if native == "calls":
+        table = _TableCalls(table)
     ref = _ReferenceTable(replicas, ttl_ticks=300)
     # Prompts share prefixes: 6 documents, each prompt a document's first L blocks + a random tail.
     documents = [rng.integers(0, 50, 16 * 30).tolist() for _ in range(6)]
