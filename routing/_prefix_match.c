@@ -68,11 +68,10 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const
  *   keys: uint64 block hashes of the prompt; want: bitmask of the candidates' bits;
  *   oldest_live: stamps below it are expired guesses (0: nothing expires);
  *   bits: a tuple with each candidate's bit (-1: not in the table). */
-static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "match_lengths(lines, records, keys, want, oldest_live, bits)");
-        return NULL;
-    }
+static int kept_buffer(PyObject *obj, Py_buffer *out, Py_ssize_t itemsize, const char *what);
+
+/* match_lengths' work; `keys_view`: the keys' buffer where the caller took it, else NULL. */
+static PyObject *match_impl(PyObject *const *args, const Py_buffer *keys_view) {
     uint64_t want = PyLong_AsUnsignedLongLong(args[3]);
     long long oldest_live = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred())
@@ -82,17 +81,13 @@ static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     Py_buffer lines, records, keys;
-    if (get_buffer(args[0], &lines, 8 * 2 * SLOTS, "lines") < 0)
+    if (kept_buffer(args[0], &lines, 8 * 2 * SLOTS, "lines") < 0
+        || kept_buffer(args[1], &records, (Py_ssize_t)sizeof(guess_record), "records") < 0)
         return NULL;
-    if (get_buffer(args[1], &records, (Py_ssize_t)sizeof(guess_record), "records") < 0) {
-        PyBuffer_Release(&lines);
+    if (keys_view != NULL)
+        keys = *keys_view;
+    else if (get_buffer(args[2], &keys, 8, "keys") < 0)
         return NULL;
-    }
-    if (get_buffer(args[2], &keys, 8, "keys") < 0) {
-        PyBuffer_Release(&lines);
-        PyBuffer_Release(&records);
-        return NULL;
-    }
     uint64_t nb = (uint64_t)(lines.len / (8 * 2 * SLOTS));
     int lengths[64] = {0};
     if (nb && (uint64_t)records.len / sizeof(guess_record) == nb * SLOTS) {
@@ -122,9 +117,8 @@ static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t
     } else if (nb) {
         PyErr_SetString(PyExc_ValueError, "records must hold 4 per bucket of lines");
     }
-    PyBuffer_Release(&lines);
-    PyBuffer_Release(&records);
-    PyBuffer_Release(&keys);
+    if (keys_view == NULL)
+        PyBuffer_Release(&keys);
     if (PyErr_Occurred())
         return NULL;
     PyObject *bits = args[5];
@@ -146,6 +140,14 @@ static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t
         PyList_SET_ITEM(out, c, length);
     }
     return out;
+}
+
+static PyObject *match_lengths(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "match_lengths(lines, records, keys, want, oldest_live, bits)");
+        return NULL;
+    }
+    return match_impl(args, NULL);
 }
 
 
@@ -398,18 +400,58 @@ static void release_all(buffer_hold *holds, int n) {
             PyBuffer_Release(&holds[i].view);
 }
 
-/* The buffers of args[0..n): the table's arrays, written (writable buffers), then the keys, last,
- * only read. On failure every buffer taken is released and the error set. */
-static int hold_all(buffer_hold *h, PyObject *const *args, const char *const *names, const Py_ssize_t *itemsizes,
-                    int n) {
-    memset(h, 0, sizeof(buffer_hold) * (size_t)n);
-    for (int i = 0; i < n; i++) {
-        if (get_buffer_flags(args[i], &h[i].view, itemsizes[i], names[i], i == n - 1 ? 0 : PyBUF_WRITABLE) < 0) {
-            release_all(h, n);
+/* The table's arrays' buffers, taken once and kept while the array lives: a numpy buffer export
+ * costs ~400 instructions, and a request takes one of ~10 long-lived arrays (its table's lines,
+ * records and counts, the chosen replica's ring) a few times. Direct-mapped by address: the kept
+ * view holds a reference, so an address names one array while it is kept. A slot whose array only
+ * this cache still holds (the table grew, a ring was replaced) is released when a lookup's sweep
+ * passes it, or when another array takes its slot. */
+#define KEPT_SLOTS 128
+static Py_buffer kept[KEPT_SLOTS];
+static unsigned kept_sweep;
+
+static void kept_release(Py_buffer *view) {
+    if (view->obj != NULL)
+        PyBuffer_Release(view);  /* drops view->obj */
+    memset(view, 0, sizeof(*view));
+}
+
+static int kept_buffer(PyObject *obj, Py_buffer *out, Py_ssize_t itemsize, const char *what) {
+    Py_buffer *slot = &kept[((uintptr_t)obj >> 4) % KEPT_SLOTS];
+    if (slot->obj != obj) {
+        Py_buffer *old = &kept[kept_sweep++ % KEPT_SLOTS];
+        if (old->obj != NULL && old != slot && Py_REFCNT(old->obj) == 1)
+            kept_release(old);
+        kept_release(slot);
+        if (get_buffer_flags(obj, slot, itemsize, what, PyBUF_WRITABLE) < 0) {
+            memset(slot, 0, sizeof(*slot));
             return -1;
         }
-        h[i].held = 1;
+    } else if (slot->len % itemsize) {  /* the same array read as another item size */
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", what, slot->len,
+                     itemsize);
+        return -1;
     }
+    *out = *slot;  /* a copy to read from: not released (held = 0) */
+    return 0;
+}
+
+/* The buffers of args[0..n): the table's arrays, written (writable, kept: kept_buffer), then the
+ * keys, last, only read: from `keys` where the caller took them already, else taken here. On
+ * failure every buffer taken is released and the error set. */
+static int hold_all(buffer_hold *h, PyObject *const *args, const char *const *names, const Py_ssize_t *itemsizes,
+                    int n, const Py_buffer *keys) {
+    memset(h, 0, sizeof(buffer_hold) * (size_t)n);
+    for (int i = 0; i < n - 1; i++)
+        if (kept_buffer(args[i], &h[i].view, itemsizes[i], names[i]) < 0)
+            return -1;
+    if (keys != NULL) {
+        h[n - 1].view = *keys;
+        return 0;
+    }
+    if (get_buffer_flags(args[n - 1], &h[n - 1].view, itemsizes[n - 1], names[n - 1], 0) < 0)
+        return -1;
+    h[n - 1].held = 1;
     return 0;
 }
 
@@ -442,12 +484,7 @@ static int table_of(table_view *t, const Py_buffer *lines, const Py_buffer *reco
 /* insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick) -> int
  *   ring_pos: int64 [fill, hand]; counts: int64 [2, 64] (blocks held, blocks ever written, per
  *   replica bit); keys: uint64 block hashes in prompt order. Returns the entries the ring took. */
-static PyObject *insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError,
-                        "insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick)");
-        return NULL;
-    }
+static PyObject *insert_impl(PyObject *const *args, const Py_buffer *keys_view) {
     long index;
     if (index_arg(args[7], &index) < 0)
         return NULL;
@@ -458,7 +495,7 @@ static PyObject *insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     static const char *const names[7] = {"lines", "records", "ring_hashes", "ring_seen", "ring_pos", "counts", "keys"};
     static const Py_ssize_t itemsizes[7] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 4, 8, 8, 8};
     buffer_hold h[7];
-    if (hold_all(h, args, names, itemsizes, 7) < 0)
+    if (hold_all(h, args, names, itemsizes, 7, keys_view) < 0)
         return NULL;
     table_view t;
     uint64_t *ring_hashes = h[2].view.buf;
@@ -564,6 +601,15 @@ done:
     return PyLong_FromSsize_t(added);
 }
 
+static PyObject *insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "insert(lines, records, ring_hashes, ring_seen, ring_pos, counts, keys, index, guessed, tick)");
+        return NULL;
+    }
+    return insert_impl(args, NULL);
+}
+
 /* remove(lines, records, counts, keys, index) -> int: the replica no longer holds these blocks
  * (duplicates and blocks it did not hold are ignored). Returns how many it held. */
 static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -577,7 +623,7 @@ static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
     static const char *const names[4] = {"lines", "records", "counts", "keys"};
     static const Py_ssize_t itemsizes[4] = {8 * 2 * SLOTS, (Py_ssize_t)sizeof(guess_record), 8, 8};
     buffer_hold h[4];
-    if (hold_all(h, args, names, itemsizes, 4) < 0)
+    if (hold_all(h, args, names, itemsizes, 4, NULL) < 0)
         return NULL;
     table_view t;
     if (table_of(&t, &h[0].view, &h[1].view, &h[2].view) < 0) {
@@ -610,18 +656,19 @@ static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyObject *s_native, *s_bits_memo, *s_guess_ttl_ticks, *s_guessing, *s_t0, *s_lines, *s_gs, *s_rings,
     *s_index, *s_counts, *s_hashes, *s_seen, *s_pos;
 
-/* Whether `keys` is a C-contiguous uint64 array (the gateway's block hashes). */
-static int is_u64(PyObject *keys) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(keys, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+/* The keys' buffer where they are a C-contiguous uint64 array (the gateway's block hashes): 1 and
+ * `view` taken (the caller releases it), else 0 and nothing held. */
+static int u64_keys(PyObject *keys, Py_buffer *view) {
+    if (PyObject_GetBuffer(keys, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         return 0;
     }
-    const char *f = view.format ? view.format : "B";
+    const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    int ok = view.itemsize == 8 && (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0);
-    PyBuffer_Release(&view);
-    return ok;
+    if (view->itemsize == 8 && (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0))
+        return 1;
+    PyBuffer_Release(view);
+    return 0;
 }
 
 /* The table's clock tick at `now` (PrefixTable._tick: its origin set by the first call). */
@@ -670,7 +717,6 @@ static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (now == -1.0 && PyErr_Occurred()) return NULL;
     int on = native_on(table);
     if (on <= 0) return on < 0 ? NULL : Py_NewRef(Py_None);
-    if (!is_u64(keys)) Py_RETURN_NONE;
     PyObject *memo_dict = PyObject_GetAttr(table, s_bits_memo);
     if (memo_dict == NULL) return NULL;
     PyObject *key = PySequence_Tuple(args[3]);
@@ -679,6 +725,11 @@ static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_XDECREF(key);
     Py_DECREF(memo_dict);
     if (memo == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_buffer view;
+    if (!u64_keys(keys, &view)) {
+        Py_DECREF(memo);
+        Py_RETURN_NONE;
+    }
     PyObject *out = NULL, *ttl_obj = NULL, *guessing_obj = NULL, *oldest = NULL, *lines = NULL, *gs = NULL;
     if (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 2) {
         PyErr_SetString(PyExc_TypeError, "table_match: the bits memo holds (bits, want) tuples");
@@ -701,8 +752,9 @@ static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t n
         || (gs = PyObject_GetAttr(table, s_gs)) == NULL)
         goto done;
     PyObject *call[6] = {lines, gs, keys, want, oldest, bits};
-    out = match_lengths(NULL, call, 6);
+    out = match_impl(call, &view);
 done:
+    PyBuffer_Release(&view);
     Py_DECREF(memo);
     Py_XDECREF(ttl_obj);
     Py_XDECREF(guessing_obj);
@@ -727,12 +779,13 @@ static PyObject *table_guess(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (ring == NULL) return NULL;
     PyObject *out = NULL, *index_dict = NULL, *index = NULL, *guessing = NULL, *more = NULL, *tick_obj = NULL;
     PyObject *arrays[6] = {NULL};  /* lines, records, ring hashes, ring seen, ring pos, counts */
-    int on = native_on(table);
-    if (on <= 0 || !is_u64(keys)) {
+    Py_buffer view;
+    int on = native_on(table), have_keys = on > 0 && u64_keys(keys, &view);
+    if (!have_keys) {
         if (on == 0 || (on > 0 && !PyErr_Occurred())) out = Py_NewRef(Py_None);
         goto done;
     }
-    if (PyObject_Length(keys) == 0) {
+    if (view.len == 0) {
         out = PyLong_FromLong(0);
         goto done;
     }
@@ -756,8 +809,10 @@ static PyObject *table_guess(PyObject *self, PyObject *const *args, Py_ssize_t n
         if ((arrays[i] = PyObject_GetAttr(owners[i], names[i])) == NULL) goto done;
     PyObject *call[10] = {arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], arrays[5], keys, index, Py_True,
                           tick_obj};
-    out = insert(NULL, call, 10);
+    out = insert_impl(call, &view);
 done:
+    if (have_keys)
+        PyBuffer_Release(&view);
     Py_DECREF(ring);
     Py_XDECREF(index_dict);
     Py_XDECREF(index);
