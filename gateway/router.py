@@ -340,9 +340,10 @@ class RoutedAttempt:
             out = self._log = self.routed.decision.as_log()
             out["mode"] = self._mode
             estimates = self._estimates
+            if type(estimates) is bytes:  # the decision's own, written as JSON when it was made
+                estimates = msgspec.json.decode(estimates)
             if estimates is not None:
-                out["load_estimate"] = (dict(zip(self.routed.decision.candidates, estimates))
-                                        if type(estimates) is list else estimates)
+                out["load_estimate"] = estimates
         if self.retried_after:
             out["retried_after"] = self.retried_after
         return out
@@ -391,10 +392,10 @@ class RoutedAttempt:
         self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
-def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog] | list:
+def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog] | bytes:
     """Each candidate's load estimate as the policy decided on it (choose() changes no load; the
-    try is counted right after this): the records the policy's pass of the tracker made (a list
-    aligned with the candidates), else one pass of the tracker now (by name)."""
+    try is counted right after this): what the policy's pass of the tracker wrote (cache_aware's:
+    the JSON object, bytes), else one pass of the tracker now (EstimateLog by name)."""
     estimates = getattr(decision, "load_estimates", None)
     if estimates is not None:
         return estimates

@@ -20,8 +20,8 @@
    (a list of names, or None), in that key order: written here rather than built as four dicts and
    encoded (~7% of a cache_aware request's instructions). Scores to 6 decimals as routing_log rounds
    them; floats read back as the values repr() writes (put_double), a non-finite one as null, as
-   msgspec does. `estimates` may also be a list of EstimateLog aligned with `candidates` (a
-   decision's own, as RoutedAttempt keeps them).
+   msgspec does. `estimates` may also be their JSON object already written (bytes: cache_aware's,
+   from loads_and_delays with estimate=bytes).
 
    explain_cache_aware(decision, mode, estimates, retried_after) -> bytes
 
@@ -116,6 +116,211 @@ static int read_optional(PyObject *obj, PyObject *name, int field, double *out, 
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* ---- JSON: the record's routing field (explain, below) and the load estimates in it ---------------- */
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int buf_grow(Buf *b, Py_ssize_t more) {
+    if (b->len + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 2048;  /* a record's field for 4 candidates: ~1 KB */
+    while (cap < b->len + more) cap *= 2;
+    char *data = PyMem_Realloc(b->data, cap);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int buf_put(Buf *b, const char *text, Py_ssize_t n) {
+    if (b->len + n > b->cap && buf_grow(b, n) < 0) return -1;
+    memcpy(b->data + b->len, text, n);
+    b->len += n;
+    return 0;
+}
+
+#define PUT(b, literal) buf_put(b, literal, sizeof(literal) - 1)
+
+/* Bytes a JSON string writes escaped: '"', '\\' and the control characters. */
+static unsigned char escaped[256];
+
+/* A str's text escaped for a JSON string, in quotes unless `bare` (a part of a longer string). */
+static int put_text(Buf *b, PyObject *obj, int bare) {
+    if (!PyUnicode_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "explain: a name or text is not a str");
+        return -1;
+    }
+    Py_ssize_t n;
+    const char *text = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (text == NULL || buf_grow(b, n * 6 + 2) < 0) return -1;  /* the worst case: every byte \u00XX */
+    char *out = b->data + b->len;
+    if (!bare) *out++ = '"';
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t start = i;  /* a run that needs no escape (most names and texts: all of them), copied whole */
+        while (i < n && !escaped[(unsigned char)text[i]]) i++;
+        memcpy(out, text + start, i - start);
+        out += i - start;
+        if (i == n) break;
+        unsigned char c = (unsigned char)text[i++];
+        if (c == '"' || c == '\\') {
+            *out++ = '\\';
+            *out++ = (char)c;
+            continue;
+        }
+        static const char hex[] = "0123456789abcdef";
+        switch (c) {
+        case '\n': *out++ = '\\'; *out++ = 'n'; break;
+        case '\r': *out++ = '\\'; *out++ = 'r'; break;
+        case '\t': *out++ = '\\'; *out++ = 't'; break;
+        case '\b': *out++ = '\\'; *out++ = 'b'; break;
+        case '\f': *out++ = '\\'; *out++ = 'f'; break;
+        default:
+            memcpy(out, "\\u00", 4);
+            out += 4;
+            *out++ = hex[c >> 4];
+            *out++ = hex[c & 15];
+        }
+    }
+    if (!bare) *out++ = '"';
+    b->len = out - b->data;
+    return 0;
+}
+
+#define put_str(b, obj) put_text(b, obj, 0)
+
+/* A non-negative integer's digits, at least `min_digits` of them (zeros in front); two at a time
+   from a table (a record's numbers are mostly one or two digits). */
+static const char digit_pairs[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+static int put_digits(Buf *b, unsigned long long value, int min_digits) {
+    if (value < 10 && min_digits <= 1) {
+        if (buf_grow(b, 1) < 0) return -1;
+        b->data[b->len++] = (char)('0' + value);
+        return 0;
+    }
+    char digits[24];
+    int at = 24;
+    while (value >= 100) {
+        unsigned pair = (unsigned)(value % 100) * 2;
+        value /= 100;
+        digits[--at] = digit_pairs[pair + 1];
+        digits[--at] = digit_pairs[pair];
+    }
+    if (value >= 10) {
+        digits[--at] = digit_pairs[value * 2 + 1];
+        digits[--at] = digit_pairs[value * 2];
+    } else {
+        digits[--at] = (char)('0' + value);
+    }
+    while (24 - at < min_digits) digits[--at] = '0';
+    return buf_put(b, digits + at, 24 - at);
+}
+
+static int put_long(Buf *b, long long value) {
+    if (value < 0 && PUT(b, "-") < 0) return -1;
+    return put_digits(b, value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value, 1);
+}
+
+/* A float as JSON: the value repr() gives, not always its text (1.5e-05 as 0.000015). A value on
+   the microsecond grid (scores to 6 decimals, delays in ms to the microsecond: most of a record's
+   floats) is written from its integer count of millionths: ~20x cheaper than repr's dtoa. Such a
+   decimal, with at most 15 significant digits, is the only one that short for its double, so it
+   reads back as the same value. Others go through repr. */
+static int put_double(Buf *b, double value) {
+    if (!isfinite(value)) return PUT(b, "null");
+    double millionths = nearbyint(value * 1e6);
+    if (fabs(value) < 1e9 && millionths / 1e6 == value) {
+        long long count = (long long)millionths;
+        unsigned long long magnitude = count < 0 ? 0ULL - (unsigned long long)count : (unsigned long long)count;
+        if (count < 0 && PUT(b, "-") < 0) return -1;
+        if (put_digits(b, magnitude / 1000000, 1) < 0 || PUT(b, ".") < 0) return -1;
+        unsigned long long fraction = magnitude % 1000000;
+        int width = 6;
+        while (width > 1 && fraction % 10 == 0) {
+            fraction /= 10;
+            width--;
+        }
+        return put_digits(b, fraction, width);
+    }
+    char *text = PyOS_double_to_string(value, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+    if (text == NULL) return -1;
+    int rc = buf_put(b, text, (Py_ssize_t)strlen(text));
+    PyMem_Free(text);
+    return rc;
+}
+
+/* An int, float, bool or None as JSON (`round6`: a float to 6 decimals, as routing_log rounds scores). */
+static int put_number(Buf *b, PyObject *obj, int round6) {
+    if (obj == Py_None) return PUT(b, "null");
+    if (obj == Py_True) return PUT(b, "true");
+    if (obj == Py_False) return PUT(b, "false");
+    if (PyLong_Check(obj)) {
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (value == -1 && PyErr_Occurred()) return -1;
+        if (!overflow) return put_long(b, value);
+        PyObject *text = PyObject_Str(obj);
+        if (text == NULL) return -1;
+        Py_ssize_t n;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n);
+        int rc = utf8 == NULL ? -1 : buf_put(b, utf8, n);
+        Py_DECREF(text);
+        return rc;
+    }
+    double value = PyFloat_AsDouble(obj);
+    if (value == -1.0 && PyErr_Occurred()) return -1;
+    if (round6 && isfinite(value)) value = nearbyint(value * 1e6) / 1e6;
+    return put_double(b, value);
+}
+
+/* {"name": value, ...} from two aligned sequences. */
+static int put_object(Buf *b, PyObject *names, PyObject *values, int round6) {
+    PyObject *keys = PySequence_Fast(names, "explain: names must be a sequence");
+    if (keys == NULL) return -1;
+    PyObject *vals = PySequence_Fast(values, "explain: values must be a sequence");
+    if (vals == NULL) {
+        Py_DECREF(keys);
+        return -1;
+    }
+    int rc = -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(vals) != n) {
+        PyErr_SetString(PyExc_ValueError, "explain: names and values differ in length");
+        goto done;
+    }
+    if (PUT(b, "{") < 0) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(keys, i)) < 0 || PUT(b, ":") < 0
+            || put_number(b, PySequence_Fast_GET_ITEM(vals, i), round6) < 0)
+            goto done;
+    }
+    rc = PUT(b, "}");
+done:
+    Py_DECREF(keys);
+    Py_DECREF(vals);
+    return rc;
+}
+
+static int put_names(Buf *b, PyObject *names) {
+    PyObject *items = PySequence_Fast(names, "explain: names must be a sequence");
+    if (items == NULL) return -1;
+    int rc = PUT(b, "[");
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++)
+        rc = ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(items, i)) < 0) ? -1 : 0;
+    Py_DECREF(items);
+    return rc < 0 ? -1 : PUT(b, "]");
+}
+
 /* estimate(waiting, pending_prefill_tokens, decoding, int(in_flight), ms(delay), scraped fresh):
    the record's view of one candidate (routing/load.py EstimateLog), as the Python loop makes it.
    ms() is round(seconds * 1e6) / 1000: nearbyint rounds half to even as round() does. */
@@ -136,9 +341,31 @@ static int estimate_record(PyObject *load, PyObject *scraped, double fresh_after
     return *out == NULL ? -1 : 0;
 }
 
+/* The same estimate written as `"name":{...}`, EstimateLog's JSON object (its fields in order, its
+   numbers as put_estimate writes the record's): the request record's load_estimate entry, written
+   with the decision instead of made as an object and written later. */
+static int estimate_json(Buf *b, PyObject *name, PyObject *load, PyObject *scraped, double fresh_after_s,
+                         long in_flight, double delay) {
+    double at_s;
+    if (read_double(scraped, s_at_s, F_AT_S, &at_s) < 0) return -1;
+    PyObject *values[3] = {GET(load, F_WAITING, s_waiting), GET(load, F_PENDING, s_pending_prefill_tokens),
+                           GET(load, F_DECODING, s_decoding)};
+    int rc = values[0] && values[1] && values[2] && put_str(b, name) == 0 && PUT(b, ":{\"waiting\":") == 0
+             && put_number(b, values[0], 0) == 0 && PUT(b, ",\"pending_prefill_tokens\":") == 0
+             && put_number(b, values[1], 0) == 0 && PUT(b, ",\"decoding\":") == 0 && put_number(b, values[2], 0) == 0
+             && PUT(b, ",\"in_flight\":") == 0 && put_long(b, in_flight) == 0 && PUT(b, ",\"queue_delay_ms\":") == 0
+             && put_double(b, nearbyint(delay * 1e6) / 1000.0) == 0
+             && (at_s >= fresh_after_s ? PUT(b, ",\"scraped_fresh\":true}") : PUT(b, ",\"scraped_fresh\":false}")) == 0
+             ? 0 : -1;
+    for (int i = 0; i < 3; i++) Py_XDECREF(values[i]);
+    return rc;
+}
+
+/* One candidate's (in_flight, delay), and its estimate: a record (`estimate`, the EstimateLog type)
+   or its JSON entry appended to `json` (named `name`), or neither. */
 static int one(PyObject *load, double now, double stale_after_s, double configured_rate, double step_base_s,
-               double step_per_seq_s, PyObject *estimate, PyObject **in_flight_out, double *delay_out,
-               PyObject **estimate_out) {
+               double step_per_seq_s, PyObject *estimate, Buf *json, PyObject *name, PyObject **in_flight_out,
+               double *delay_out, PyObject **estimate_out) {
     double tokens_per_s, own_rate;
     int has_rate;
     if (read_optional(load, s_prefill_tokens_per_s, F_PREFILL_RATE, &own_rate, &has_rate) < 0) return -1;
@@ -209,8 +436,10 @@ static int one(PyObject *load, double now, double stale_after_s, double configur
         Py_DECREF(scraped);
         return -1;
     }
-    if (estimate != NULL && estimate_record(load, scraped, now - stale_after_s, estimate,
-                                            as_float ? (long)in_flight_f : in_flight, *delay_out, estimate_out) < 0) {
+    long logged = as_float ? (long)in_flight_f : in_flight;
+    if ((estimate != NULL
+         && estimate_record(load, scraped, now - stale_after_s, estimate, logged, *delay_out, estimate_out) < 0)
+        || (json != NULL && estimate_json(json, name, load, scraped, now - stale_after_s, logged, *delay_out) < 0)) {
         Py_DECREF(scraped);
         Py_CLEAR(*in_flight_out);
         return -1;
@@ -227,6 +456,11 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
     }
     PyObject *replicas = args[0];
     PyObject *estimate = nargs == 8 && args[7] != Py_None ? args[7] : NULL;
+    Buf json = {NULL, 0, 0}, *as_json = NULL;
+    if (estimate == (PyObject *)&PyBytes_Type) {  /* the estimates as the record's JSON object */
+        estimate = NULL;
+        as_json = &json;
+    }
     PyObject *names = PySequence_Fast(args[1], "names must be a sequence");
     if (names == NULL) return NULL;
     double params[5];
@@ -241,7 +475,8 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject **items = PySequence_Fast_ITEMS(names);
     PyObject *loads = PyList_New(n), *delays = PyList_New(n), *estimates = estimate ? PyList_New(n) : NULL;
     PyObject *out = NULL;
-    if (loads == NULL || delays == NULL || (estimate && estimates == NULL)) goto done;
+    if (loads == NULL || delays == NULL || (estimate && estimates == NULL) || (as_json && PUT(as_json, "{") < 0))
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *load = PyDict_GetItemWithError(replicas, items[i]);  /* borrowed */
         if (load == NULL) {
@@ -250,8 +485,9 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
         }
         PyObject *in_flight, *record = NULL;
         double delay;
-        if (one(load, params[0], params[1], params[2], params[3], params[4], estimate, &in_flight, &delay,
-                &record) < 0)
+        if ((as_json && i && PUT(as_json, ",") < 0)
+            || one(load, params[0], params[1], params[2], params[3], params[4], estimate, as_json, items[i],
+                   &in_flight, &delay, &record) < 0)
             goto done;
         PyList_SET_ITEM(loads, i, in_flight);
         if (estimates) PyList_SET_ITEM(estimates, i, record);
@@ -259,8 +495,16 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
         if (d == NULL) goto done;
         PyList_SET_ITEM(delays, i, d);
     }
-    out = estimates ? PyTuple_Pack(3, loads, delays, estimates) : PyTuple_Pack(2, loads, delays);
+    if (as_json) {
+        PyObject *written = PUT(as_json, "}") < 0 ? NULL : PyBytes_FromStringAndSize(json.data, json.len);
+        if (written == NULL) goto done;
+        out = PyTuple_Pack(3, loads, delays, written);
+        Py_DECREF(written);
+    } else {
+        out = estimates ? PyTuple_Pack(3, loads, delays, estimates) : PyTuple_Pack(2, loads, delays);
+    }
 done:
+    PyMem_Free(json.data);
     Py_DECREF(names);
     Py_XDECREF(loads);
     Py_XDECREF(delays);
@@ -757,211 +1001,6 @@ done:
     return out;
 }
 
-/* ---- explain(): the routing field as JSON -------------------------------------------------------- */
-
-typedef struct {
-    char *data;
-    Py_ssize_t len, cap;
-} Buf;
-
-static int buf_grow(Buf *b, Py_ssize_t more) {
-    if (b->len + more <= b->cap) return 0;
-    Py_ssize_t cap = b->cap ? b->cap : 2048;  /* a record's field for 4 candidates: ~1 KB */
-    while (cap < b->len + more) cap *= 2;
-    char *data = PyMem_Realloc(b->data, cap);
-    if (data == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    b->data = data;
-    b->cap = cap;
-    return 0;
-}
-
-static inline int buf_put(Buf *b, const char *text, Py_ssize_t n) {
-    if (b->len + n > b->cap && buf_grow(b, n) < 0) return -1;
-    memcpy(b->data + b->len, text, n);
-    b->len += n;
-    return 0;
-}
-
-#define PUT(b, literal) buf_put(b, literal, sizeof(literal) - 1)
-
-/* Bytes a JSON string writes escaped: '"', '\\' and the control characters. */
-static unsigned char escaped[256];
-
-/* A str's text escaped for a JSON string, in quotes unless `bare` (a part of a longer string). */
-static int put_text(Buf *b, PyObject *obj, int bare) {
-    if (!PyUnicode_Check(obj)) {
-        PyErr_SetString(PyExc_TypeError, "explain: a name or text is not a str");
-        return -1;
-    }
-    Py_ssize_t n;
-    const char *text = PyUnicode_AsUTF8AndSize(obj, &n);
-    if (text == NULL || buf_grow(b, n * 6 + 2) < 0) return -1;  /* the worst case: every byte \u00XX */
-    char *out = b->data + b->len;
-    if (!bare) *out++ = '"';
-    Py_ssize_t i = 0;
-    while (i < n) {
-        Py_ssize_t start = i;  /* a run that needs no escape (most names and texts: all of them), copied whole */
-        while (i < n && !escaped[(unsigned char)text[i]]) i++;
-        memcpy(out, text + start, i - start);
-        out += i - start;
-        if (i == n) break;
-        unsigned char c = (unsigned char)text[i++];
-        if (c == '"' || c == '\\') {
-            *out++ = '\\';
-            *out++ = (char)c;
-            continue;
-        }
-        static const char hex[] = "0123456789abcdef";
-        switch (c) {
-        case '\n': *out++ = '\\'; *out++ = 'n'; break;
-        case '\r': *out++ = '\\'; *out++ = 'r'; break;
-        case '\t': *out++ = '\\'; *out++ = 't'; break;
-        case '\b': *out++ = '\\'; *out++ = 'b'; break;
-        case '\f': *out++ = '\\'; *out++ = 'f'; break;
-        default:
-            memcpy(out, "\\u00", 4);
-            out += 4;
-            *out++ = hex[c >> 4];
-            *out++ = hex[c & 15];
-        }
-    }
-    if (!bare) *out++ = '"';
-    b->len = out - b->data;
-    return 0;
-}
-
-#define put_str(b, obj) put_text(b, obj, 0)
-
-/* A non-negative integer's digits, at least `min_digits` of them (zeros in front); two at a time
-   from a table (a record's numbers are mostly one or two digits). */
-static const char digit_pairs[201] =
-    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
-    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
-    "8081828384858687888990919293949596979899";
-
-static int put_digits(Buf *b, unsigned long long value, int min_digits) {
-    if (value < 10 && min_digits <= 1) {
-        if (buf_grow(b, 1) < 0) return -1;
-        b->data[b->len++] = (char)('0' + value);
-        return 0;
-    }
-    char digits[24];
-    int at = 24;
-    while (value >= 100) {
-        unsigned pair = (unsigned)(value % 100) * 2;
-        value /= 100;
-        digits[--at] = digit_pairs[pair + 1];
-        digits[--at] = digit_pairs[pair];
-    }
-    if (value >= 10) {
-        digits[--at] = digit_pairs[value * 2 + 1];
-        digits[--at] = digit_pairs[value * 2];
-    } else {
-        digits[--at] = (char)('0' + value);
-    }
-    while (24 - at < min_digits) digits[--at] = '0';
-    return buf_put(b, digits + at, 24 - at);
-}
-
-static int put_long(Buf *b, long long value) {
-    if (value < 0 && PUT(b, "-") < 0) return -1;
-    return put_digits(b, value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value, 1);
-}
-
-/* A float as JSON: the value repr() gives, not always its text (1.5e-05 as 0.000015). A value on
-   the microsecond grid (scores to 6 decimals, delays in ms to the microsecond: most of a record's
-   floats) is written from its integer count of millionths: ~20x cheaper than repr's dtoa. Such a
-   decimal, with at most 15 significant digits, is the only one that short for its double, so it
-   reads back as the same value. Others go through repr. */
-static int put_double(Buf *b, double value) {
-    if (!isfinite(value)) return PUT(b, "null");
-    double millionths = nearbyint(value * 1e6);
-    if (fabs(value) < 1e9 && millionths / 1e6 == value) {
-        long long count = (long long)millionths;
-        unsigned long long magnitude = count < 0 ? 0ULL - (unsigned long long)count : (unsigned long long)count;
-        if (count < 0 && PUT(b, "-") < 0) return -1;
-        if (put_digits(b, magnitude / 1000000, 1) < 0 || PUT(b, ".") < 0) return -1;
-        unsigned long long fraction = magnitude % 1000000;
-        int width = 6;
-        while (width > 1 && fraction % 10 == 0) {
-            fraction /= 10;
-            width--;
-        }
-        return put_digits(b, fraction, width);
-    }
-    char *text = PyOS_double_to_string(value, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (text == NULL) return -1;
-    int rc = buf_put(b, text, (Py_ssize_t)strlen(text));
-    PyMem_Free(text);
-    return rc;
-}
-
-/* An int, float, bool or None as JSON (`round6`: a float to 6 decimals, as routing_log rounds scores). */
-static int put_number(Buf *b, PyObject *obj, int round6) {
-    if (obj == Py_None) return PUT(b, "null");
-    if (obj == Py_True) return PUT(b, "true");
-    if (obj == Py_False) return PUT(b, "false");
-    if (PyLong_Check(obj)) {
-        int overflow;
-        long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
-        if (value == -1 && PyErr_Occurred()) return -1;
-        if (!overflow) return put_long(b, value);
-        PyObject *text = PyObject_Str(obj);
-        if (text == NULL) return -1;
-        Py_ssize_t n;
-        const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n);
-        int rc = utf8 == NULL ? -1 : buf_put(b, utf8, n);
-        Py_DECREF(text);
-        return rc;
-    }
-    double value = PyFloat_AsDouble(obj);
-    if (value == -1.0 && PyErr_Occurred()) return -1;
-    if (round6 && isfinite(value)) value = nearbyint(value * 1e6) / 1e6;
-    return put_double(b, value);
-}
-
-/* {"name": value, ...} from two aligned sequences. */
-static int put_object(Buf *b, PyObject *names, PyObject *values, int round6) {
-    PyObject *keys = PySequence_Fast(names, "explain: names must be a sequence");
-    if (keys == NULL) return -1;
-    PyObject *vals = PySequence_Fast(values, "explain: values must be a sequence");
-    if (vals == NULL) {
-        Py_DECREF(keys);
-        return -1;
-    }
-    int rc = -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    if (PySequence_Fast_GET_SIZE(vals) != n) {
-        PyErr_SetString(PyExc_ValueError, "explain: names and values differ in length");
-        goto done;
-    }
-    if (PUT(b, "{") < 0) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(keys, i)) < 0 || PUT(b, ":") < 0
-            || put_number(b, PySequence_Fast_GET_ITEM(vals, i), round6) < 0)
-            goto done;
-    }
-    rc = PUT(b, "}");
-done:
-    Py_DECREF(keys);
-    Py_DECREF(vals);
-    return rc;
-}
-
-static int put_names(Buf *b, PyObject *names) {
-    PyObject *items = PySequence_Fast(names, "explain: names must be a sequence");
-    if (items == NULL) return -1;
-    int rc = PUT(b, "[");
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    for (Py_ssize_t i = 0; i < n && rc == 0; i++)
-        rc = ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(items, i)) < 0) ? -1 : 0;
-    Py_DECREF(items);
-    return rc < 0 ? -1 : PUT(b, "]");
-}
-
 static PyObject *s_in_flight, *s_queue_delay_ms, *s_scraped_fresh, *s_replica, *s_candidates,
     *s_predicted_cached_tokens, *s__matched, *s__loads, *s__scores, *s__allowed, *s__why, *s__balance_factor,
     *s__shared_prefix;
@@ -972,20 +1011,24 @@ static int put_estimate(Buf *b, PyObject *estimate) {
                                   ",\"in_flight\":", ",\"queue_delay_ms\":", ",\"scraped_fresh\":"};
     PyObject *names[6] = {s_waiting, s_pending_prefill_tokens, s_decoding, s_in_flight, s_queue_delay_ms,
                           s_scraped_fresh};
+    static const Py_ssize_t lengths[6] = {11, 26, 12, 13, 18, 17};
     for (int i = 0; i < 6; i++) {
         PyObject *value = GET(estimate, F_EST_WAITING + i, names[i]);
         if (value == NULL) return -1;
-        int rc = buf_put(b, keys[i], (Py_ssize_t)strlen(keys[i])) < 0 ? -1 : put_number(b, value, 0);
+        int rc = buf_put(b, keys[i], lengths[i]) < 0 ? -1 : put_number(b, value, 0);
         Py_DECREF(value);
         if (rc < 0) return -1;
     }
     return PUT(b, "}");
 }
 
-/* ,"load_estimate":{name: EstimateLog, ...} from a dict of them by name, or from a list of them
-   aligned with `candidates`; nothing for None. */
-static int put_estimates(Buf *b, PyObject *candidates, PyObject *estimates) {
+/* ,"load_estimate":{name: EstimateLog, ...} from a dict of them by name, or as written already
+   (bytes: loads_and_delays' JSON); nothing for None. */
+static int put_estimates(Buf *b, PyObject *estimates) {
     if (estimates == Py_None) return 0;
+    if (PyBytes_Check(estimates))  /* written with the decision (loads_and_delays, estimate=bytes) */
+        return PUT(b, ",\"load_estimate\":") < 0 ? -1
+               : buf_put(b, PyBytes_AS_STRING(estimates), PyBytes_GET_SIZE(estimates));
     if (PUT(b, ",\"load_estimate\":{") < 0) return -1;
     if (PyDict_Check(estimates)) {
         Py_ssize_t pos = 0, i = 0;
@@ -994,34 +1037,18 @@ static int put_estimates(Buf *b, PyObject *candidates, PyObject *estimates) {
             if ((i++ && PUT(b, ",") < 0) || put_str(b, name) < 0 || PUT(b, ":") < 0 || put_estimate(b, estimate) < 0)
                 return -1;
         }
-    } else if (PyList_Check(estimates)) {
-        PyObject *names = PySequence_Fast(candidates, "explain: candidates must be a sequence");
-        if (names == NULL) return -1;
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(names);
-        int rc = 0;
-        if (PyList_GET_SIZE(estimates) != n) {
-            PyErr_SetString(PyExc_ValueError, "explain: estimates and candidates differ in length");
-            rc = -1;
-        }
-        for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
-            if ((i && PUT(b, ",") < 0) || put_str(b, PySequence_Fast_GET_ITEM(names, i)) < 0 || PUT(b, ":") < 0
-                || put_estimate(b, PyList_GET_ITEM(estimates, i)) < 0)
-                rc = -1;
-        }
-        Py_DECREF(names);
-        if (rc < 0) return -1;
     } else {
-        PyErr_SetString(PyExc_TypeError, "explain: estimates must be a dict, a list or None");
+        PyErr_SetString(PyExc_TypeError, "explain: estimates must be bytes, a dict or None");
         return -1;
     }
     return PUT(b, "}");
 }
 
 /* What follows the scores in every routing field, and the closing brace. */
-static int put_tail(Buf *b, PyObject *predicted, PyObject *mode, PyObject *candidates, PyObject *estimates,
+static int put_tail(Buf *b, PyObject *predicted, PyObject *mode, PyObject *estimates,
                     PyObject *retried) {
     if (PUT(b, ",\"predicted_cached_tokens\":") < 0 || put_number(b, predicted, 0) < 0
-        || PUT(b, ",\"mode\":") < 0 || put_str(b, mode) < 0 || put_estimates(b, candidates, estimates) < 0)
+        || PUT(b, ",\"mode\":") < 0 || put_str(b, mode) < 0 || put_estimates(b, estimates) < 0)
         return -1;
     if (retried != Py_None && (PUT(b, ",\"retried_after\":") < 0 || put_names(b, retried) < 0)) return -1;
     return PUT(b, "}");
@@ -1047,7 +1074,7 @@ static PyObject *explain(PyObject *self, PyObject *const *args, Py_ssize_t nargs
               || PUT(&b, ",\"matched_blocks\":") < 0 || put_object(&b, args[4], args[5], 0) < 0
               || PUT(&b, ",\"load\":") < 0 || put_object(&b, args[6], args[7], 0) < 0
               || PUT(&b, ",\"scores\":") < 0 || put_object(&b, args[8], args[9], 1) < 0
-              || put_tail(&b, args[10], args[11], args[3], args[12], args[13]) < 0) ? -1 : 0;
+              || put_tail(&b, args[10], args[11], args[12], args[13]) < 0) ? -1 : 0;
     return finish_buf(&b, rc);
 }
 
@@ -1141,7 +1168,7 @@ static PyObject *explain_cache_aware(PyObject *self, PyObject *const *args, Py_s
           || PUT(&b, ",\"matched_blocks\":") < 0 || put_object(&b, candidates, d[R_MATCHED], 0) < 0
           || PUT(&b, ",\"load\":") < 0 || put_object(&b, candidates, d[R_LOADS], 0) < 0
           || PUT(&b, ",\"scores\":") < 0 || put_object(&b, candidates, d[R_SCORES], 1) < 0
-          || put_tail(&b, d[R_PREDICTED], args[1], candidates, args[2], args[3]) < 0) ? -1 : 0;
+          || put_tail(&b, d[R_PREDICTED], args[1], args[2], args[3]) < 0) ? -1 : 0;
 done:
     for (int i = 0; i < N_DECISION_FIELDS; i++) Py_XDECREF(d[i]);
     return finish_buf(&b, rc);

@@ -320,16 +320,19 @@ class LoadTracker:
         200 ms ago is not 250 ms of work ahead any more."""
         return self.loads_and_delays((replica,), now)[1][0]
 
-    def loads_and_delays(self, replicas, now: float, estimates: bool = False) -> tuple[list, ...]:
+    def loads_and_delays(self, replicas, now: float, estimates: bool | type = False) -> tuple:
         """(in_flight, queue_delay_s) of each replica, in one pass: a policy's per-decision loop
         over its candidates (plain attribute reads and arithmetic, ~0.5 us a replica); with
-        `estimates`, a third list: each one's EstimateLog for the request record."""
+        `estimates`, a third item: each one's EstimateLog for the request record, in a list, or
+        with estimates=bytes their JSON object by replica name, the record's `load_estimate` as
+        it will be written (routing/_decision.c writes it in the same pass: no objects made)."""
         m = self.model
         stale_after_s, configured_rate = m.stale_after_s, m.prefill_tokens_per_s
         step_base_s, step_per_seq_s = m.decode_step_base_s, m.decode_step_s_per_seq
         if _native_loads_and_delays is not None and NATIVE:
-            out = _native_loads_and_delays(self.replicas, replicas, now, stale_after_s, configured_rate,
-                                           step_base_s, step_per_seq_s, EstimateLog if estimates else None)
+            out = _native_loads_and_delays(self.replicas, replicas, now, stale_after_s, configured_rate, step_base_s,
+                                           step_per_seq_s, (bytes if estimates is bytes else EstimateLog)
+                                           if estimates else None)
             if out is not None:  # else a replica not tracked yet: the loop below adds it
                 return out
         get = self.replicas.get
@@ -366,6 +369,8 @@ class LoadTracker:
             if estimates:
                 records.append(EstimateLog(waiting, load.pending_prefill_tokens, load.decoding, int(in_flight),
                                            round(delay * 1e6) / 1000, scraped.at_s >= fresh_after_s))
+        if estimates is bytes:
+            return loads, delays, msgspec.json.encode(dict(zip(replicas, records)))
         return (loads, delays, records) if estimates else (loads, delays)
 
     def estimate(self, replica: str, now: float) -> LoadEstimate:

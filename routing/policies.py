@@ -174,7 +174,9 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
     table: Any  # for commit(): where the guess goes
     hashes: Any
     _shared_prefix: bool = False  # the deepest match was a shared prefix too small to steer
-    load_estimates: Any = None  # each candidate's EstimateLog from choose()'s pass: the record's load estimate
+    # The record's load estimate from choose()'s pass of the tracker: each candidate's EstimateLog
+    # as the JSON object by name (bytes), written in that pass.
+    load_estimates: Any = None
     policy = "cache_aware"
 
     @property
@@ -315,7 +317,7 @@ class CacheAware:
                 matched = table.match_lengths(hashes, now, candidates)
         else:
             matched = [0] * len(candidates)
-        loads, delays, estimates = tracker.loads_and_delays(candidates, now, estimates=True)
+        loads, delays, estimates = tracker.loads_and_delays(candidates, now, estimates=bytes)
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1

@@ -107,8 +107,8 @@ def routing_log(policy: str, reason: str, chosen: str, candidates, matched_block
 
 def routing_json(decision, mode: str, estimates, retried_after: list | None) -> msgspec.Raw | None:
     """The `routing` field of a request record as JSON, ready to go into the record's encoding:
-    routing_log's object plus `mode`, `load_estimate` (EstimateLog by name: a dict, or a list
-    aligned with the decision's candidates) and `retried_after` when given, written by
+    routing_log's object plus `mode`, `load_estimate` (EstimateLog by name: a dict, or their JSON
+    object already written, bytes) and `retried_after` when given, written by
     routing/_decision.c in one call instead of four dicts built and then encoded. A decision with
     an `explain_json` method (cache_aware's) writes its own. None where the C module was not built
     (the record keeps the dict)."""

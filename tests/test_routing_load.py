@@ -267,6 +267,15 @@ def test_the_c_estimate_equals_the_python_loop_to_the_bit():
         assert [(type(x), x) for x in native[1]] == [(type(x), x) for x in python[1]]
         assert [[(type(v), v) for v in msgspec.structs.astuple(e)] for e in native[2]] == \
             [[(type(v), v) for v in msgspec.structs.astuple(e)] for e in python[2]]
+        # The record's JSON of them, as C writes it in the same pass (estimates=bytes) and as the
+        # Python loop encodes it: the same object, the same values and types, read back.
+        python_json = tracker.loads_and_delays(asked, at, estimates=bytes)[2]
+        load.NATIVE = True
+        native_json = tracker.loads_and_delays(asked, at, estimates=bytes)[2]
+        expected = msgspec.json.decode(msgspec.json.encode(dict(zip(asked, python[2]))))
+        typed = lambda estimates: {name: [(type(v), v) for v in e.values()] for name, e in estimates.items()}
+        assert typed(msgspec.json.decode(native_json)) == typed(msgspec.json.decode(python_json)) == typed(expected)
+        assert list(msgspec.json.decode(native_json)) == asked
         compared += 1
     assert compared == 4000
 
