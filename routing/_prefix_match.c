@@ -648,9 +648,9 @@ static PyObject *remove_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
  * table_guess(table, replica, keys, now) -> int | None
  * What the PrefixTable methods do before their C call (the candidates' bits from the table's memo,
  * the clock tick, the expiry bound, the replica's ring and bit), here instead of in ~100 Python
- * opcodes each, for cache_aware's choose and commit on every request. None where the method must
- * serve (the table's native switch off, keys that are not a uint64 array, candidates not memoised
- * yet): the caller then calls it. table_guess raises KeyError for a replica the table lacks, as
+ * opcodes each, for cache_aware's choose and commit on every request. `keys`: a uint64 array or a
+ * list of ints (take_keys). None where the method must serve (the table's native switch off, keys
+ * of another kind, candidates not memoised yet): the caller then calls it. table_guess raises KeyError for a replica the table lacks, as
  * insert does. */
 
 static PyObject *s_native, *s_bits_memo, *s_guess_ttl_ticks, *s_guessing, *s_t0, *s_lines, *s_gs, *s_rings,
@@ -669,6 +669,56 @@ static int u64_keys(PyObject *keys, Py_buffer *view) {
         return 1;
     PyBuffer_Release(view);
     return 0;
+}
+
+/* A prompt's keys as uint64s: a uint64 array's buffer read in place, or a list or tuple of ints
+ * (the gateway's block hashes as routing/hashing.py gives them: no array made a request) copied to
+ * `store` or a PyMem block, each 0 read as the 1 the table stores it as (as_block_keys). */
+#define KEYS_ON_STACK 64
+typedef struct {
+    Py_buffer view;  /* the keys: buf, len */
+    int held;        /* view is an export to release */
+    uint64_t *owned;
+    uint64_t store[KEYS_ON_STACK];
+} keys_arg;
+
+/* 1: `k` holds the keys (release with drop_keys); 0: not such keys, nothing held and no error (the
+ * method serves them); -1: an error set. */
+static int take_keys(PyObject *obj, keys_arg *k) {
+    k->held = 0;
+    k->owned = NULL;
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+        uint64_t *data = k->store;
+        if (n > KEYS_ON_STACK && (data = k->owned = PyMem_Malloc(sizeof(uint64_t) * (size_t)n)) == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            unsigned long long key = PyLong_CheckExact(items[i]) ? PyLong_AsUnsignedLongLong(items[i]) : 0;
+            if (!PyLong_CheckExact(items[i]) || (key == (unsigned long long)-1 && PyErr_Occurred())) {
+                PyErr_Clear();  /* not a uint64 int: the method's conversion says what is wrong */
+                PyMem_Free(k->owned);
+                k->owned = NULL;
+                return 0;
+            }
+            data[i] = key ? key : 1;
+        }
+        memset(&k->view, 0, sizeof(k->view));
+        k->view.buf = data;
+        k->view.len = 8 * n;
+        k->view.itemsize = 8;
+        return 1;
+    }
+    if (!u64_keys(obj, &k->view)) return 0;
+    k->held = 1;
+    return 1;
+}
+
+static void drop_keys(keys_arg *k) {
+    if (k->held) PyBuffer_Release(&k->view);
+    PyMem_Free(k->owned);
 }
 
 /* The table's clock tick at `now` (PrefixTable._tick: its origin set by the first call). */
@@ -725,10 +775,11 @@ static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_XDECREF(key);
     Py_DECREF(memo_dict);
     if (memo == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    Py_buffer view;
-    if (!u64_keys(keys, &view)) {
+    keys_arg view;
+    int have_keys = take_keys(keys, &view);
+    if (have_keys <= 0) {
         Py_DECREF(memo);
-        Py_RETURN_NONE;
+        return have_keys < 0 ? NULL : Py_NewRef(Py_None);
     }
     PyObject *out = NULL, *ttl_obj = NULL, *guessing_obj = NULL, *oldest = NULL, *lines = NULL, *gs = NULL;
     if (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 2) {
@@ -752,9 +803,9 @@ static PyObject *table_match(PyObject *self, PyObject *const *args, Py_ssize_t n
         || (gs = PyObject_GetAttr(table, s_gs)) == NULL)
         goto done;
     PyObject *call[6] = {lines, gs, keys, want, oldest, bits};
-    out = match_impl(call, &view);
+    out = match_impl(call, &view.view);
 done:
-    PyBuffer_Release(&view);
+    drop_keys(&view);
     Py_DECREF(memo);
     Py_XDECREF(ttl_obj);
     Py_XDECREF(guessing_obj);
@@ -779,13 +830,13 @@ static PyObject *table_guess(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (ring == NULL) return NULL;
     PyObject *out = NULL, *index_dict = NULL, *index = NULL, *guessing = NULL, *more = NULL, *tick_obj = NULL;
     PyObject *arrays[6] = {NULL};  /* lines, records, ring hashes, ring seen, ring pos, counts */
-    Py_buffer view;
-    int on = native_on(table), have_keys = on > 0 && u64_keys(keys, &view);
-    if (!have_keys) {
-        if (on == 0 || (on > 0 && !PyErr_Occurred())) out = Py_NewRef(Py_None);
+    keys_arg view;
+    int on = native_on(table), have_keys = on > 0 ? take_keys(keys, &view) : on;
+    if (have_keys <= 0) {
+        if (have_keys == 0) out = Py_NewRef(Py_None);
         goto done;
     }
-    if (view.len == 0) {
+    if (view.view.len == 0) {
         out = PyLong_FromLong(0);
         goto done;
     }
@@ -809,10 +860,10 @@ static PyObject *table_guess(PyObject *self, PyObject *const *args, Py_ssize_t n
         if ((arrays[i] = PyObject_GetAttr(owners[i], names[i])) == NULL) goto done;
     PyObject *call[10] = {arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], arrays[5], keys, index, Py_True,
                           tick_obj};
-    out = insert_impl(call, &view);
+    out = insert_impl(call, &view.view);
 done:
-    if (have_keys)
-        PyBuffer_Release(&view);
+    if (have_keys > 0)
+        drop_keys(&view);
     Py_DECREF(ring);
     Py_XDECREF(index_dict);
     Py_XDECREF(index);

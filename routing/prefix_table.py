@@ -30,8 +30,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # match_lengths(hashes, now, candidates) and insert(replica, hashes, guessed=True, now) of a table
 # (its first argument) in one C call each, for cache_aware's choose and commit on every request:
-# None where the method must serve instead (no C build, the table's native switch off, hashes
-# that are not a uint64 array, candidates the table has not memoised yet).
+# Hashes: a uint64 array or a list of ints (read in C, no array made). None where the method must
+# serve instead (no C build, the table's native switch off, hashes of another kind, candidates the
+# table has not memoised yet).
 native_match = native_guess = None
 if _native is not None:
     native_match, native_guess = _native.table_match, _native.table_guess

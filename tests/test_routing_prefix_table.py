@@ -268,19 +268,25 @@ def test_the_c_lookup_is_built_where_a_compiler_is():
 
 class _TableCalls:
     """The table driven as cache_aware drives it on every request: its guesses and matches
-    through the one-call native_guess / native_match (the methods serve only what those decline)."""
+    through the one-call native_guess / native_match (the methods serve only what those decline),
+    the hashes as the gateway's list of ints or as a uint64 array, in turns."""
 
     def __init__(self, table):
         self.table = table
+        self.calls = 0
+
+    def _given(self, hashes):
+        self.calls += 1
+        return list(hashes) if self.calls % 2 else np.array(hashes, dtype=np.uint64)
 
     def insert(self, name, hashes, guessed, now):
         if not guessed:
             return self.table.insert(name, hashes, guessed=False, now=now)
-        assert prefix_table.native_guess(self.table, name, np.array(hashes, dtype=np.uint64), now) is not None
+        assert prefix_table.native_guess(self.table, name, self._given(hashes), now) is not None
 
     def match(self, hashes, now, candidates=None):
         names = list(self.table.replicas() if candidates is None else candidates)
-        keys = np.array(hashes, dtype=np.uint64)
+        keys = self._given(hashes)
         lengths = prefix_table.native_match(self.table, keys, now, names)
         if lengths is None:  # candidates the table has not memoised yet: the method serves, and memoises them
             assert self.table.match_lengths(keys, now, names) is not None
