@@ -1,16 +1,16 @@
 /* A routing decision's per-candidate loops in C: the load estimate (routing/load.py,
    LoadTracker.loads_and_delays) and cache_aware's choice from it (routing/policies.py, decide below).
 
-   loads_and_delays(replicas, names, now, stale_after_s, configured_rate, step_base_s, step_per_seq_s
-                    [, estimate]) -> (loads, delays[, estimates]) | None
+   loads_and_delays(tracker, names, now[, estimate]) -> (loads, delays[, estimates]) | None
 
-   `replicas` is the tracker's dict of ReplicaLoad by name; None when one of `names` has none yet
-   (the Python loop then makes it). The same arithmetic as the Python loop, in the same order, on
-   the same doubles: equal results to the bit (tests compare the two), ints where it gives ints (a
-   load with no traffic from elsewhere stays an int in the decision's log). A decision reads ~10
-   fields of each candidate: ~90 Python opcodes a candidate against a few attribute reads here.
-   With `estimate` (routing/load.py EstimateLog) it also makes each candidate's record of the
-   estimate, the request log's `routing.load_estimate`, as the Python loop does.
+   Read from the tracker's slots: its dict of ReplicaLoad by name and its model's terms. None when
+   one of `names` has no load yet (the Python loop then makes it). The same arithmetic as the Python
+   loop, in the same order, on the same doubles: equal results to the bit (tests compare the two),
+   ints where it gives ints (a load with no traffic from elsewhere stays an int in the decision's
+   log). A decision reads ~10 fields of each candidate: ~90 Python opcodes a candidate against a few
+   attribute reads here. With `estimate` (routing/load.py EstimateLog) it also makes each
+   candidate's record of the estimate, the request log's `routing.load_estimate`, as the Python loop
+   does; with estimate=bytes, that object's JSON instead, written in the same pass.
 
    explain(policy, reason, chosen, candidates, matched_names, matched, load_names, loads, scored, scores,
            predicted_cached_tokens, mode, estimates, retried_after) -> bytes
@@ -36,7 +36,8 @@
 
 static PyObject *s_prefill_tokens_per_s, *s_pending_prefill_tokens, *s_backlog_at, *s_backlog_tokens,
     *s_waiting, *s_decoding, *s_scraped, *s_extra, *s_at_s, *s_decode_step_scale, *s_routed,
-    *s_decoding_context_tokens, *s_running_prompts, *s_replicas, *s_clock, *s_model, *s_tickets, *s_own_total;
+    *s_decoding_context_tokens, *s_running_prompts, *s_replicas, *s_clock, *s_model, *s_tickets, *s_own_total,
+    *s_stale_after_s, *s_decode_step_base_s, *s_decode_step_s_per_seq, *s_running_prefix;
 
 /* obj.name, read the way LOAD_ATTR reads a slot: a field of a class with __slots__ (ReplicaLoad,
    ScrapedLoad: dataclass(slots=True)) or a msgspec Struct (EstimateLog) is a member descriptor at
@@ -77,6 +78,7 @@ static int set_field(PyObject *obj, PyObject *name, Field *cache, PyObject *valu
 enum { F_PREFILL_RATE, F_PENDING, F_BACKLOG_AT, F_BACKLOG_TOKENS, F_WAITING, F_DECODING, F_SCRAPED, F_EXTRA, F_AT_S,
        F_STEP_SCALE, F_EST_WAITING, F_EST_PENDING, F_EST_DECODING, F_EST_IN_FLIGHT, F_EST_DELAY, F_EST_FRESH,
        F_ROUTED, F_CONTEXT, F_RUNNING, T_REPLICAS, T_CLOCK, T_MODEL, T_TICKETS, T_OWN_TOTAL, M_RATE,
+       M_STALE, M_STEP_BASE, M_STEP_PER_SEQ,
        D_REPLICA, D_CANDIDATES, D_PREDICTED, D_MATCHED, D_LOADS, D_SCORES, D_ALLOWED, D_WHY, D_FACTOR, D_SHARED,
        N_FIELDS };
 static Field fields[N_FIELDS];
@@ -448,28 +450,44 @@ static int one(PyObject *load, double now, double stale_after_s, double configur
     return 0;
 }
 
+/* The tracker's model's terms: params[1..4] = stale_after_s, prefill_tokens_per_s, decode_step_base_s,
+   decode_step_s_per_seq (params[0] is `now`). */
+static int model_params(PyObject *tracker, double *params) {
+    PyObject *model = GET(tracker, T_MODEL, s_model);
+    if (model == NULL) return -1;
+    int rc = read_double(model, s_stale_after_s, M_STALE, &params[1]) < 0
+             || read_double(model, s_prefill_tokens_per_s, M_RATE, &params[2]) < 0
+             || read_double(model, s_decode_step_base_s, M_STEP_BASE, &params[3]) < 0
+             || read_double(model, s_decode_step_s_per_seq, M_STEP_PER_SEQ, &params[4]) < 0 ? -1 : 0;
+    Py_DECREF(model);
+    return rc;
+}
+
 static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if ((nargs != 7 && nargs != 8) || !PyDict_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "loads_and_delays(replicas: dict, names, now, stale_after_s, "
-                                         "configured_rate, step_base_s, step_per_seq_s[, estimate])");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "loads_and_delays(tracker, names, now[, estimate])");
         return NULL;
     }
-    PyObject *replicas = args[0];
-    PyObject *estimate = nargs == 8 && args[7] != Py_None ? args[7] : NULL;
+    double params[5];
+    params[0] = PyFloat_AsDouble(args[2]);
+    if ((params[0] == -1.0 && PyErr_Occurred()) || model_params(args[0], params) < 0) return NULL;
+    PyObject *replicas = GET(args[0], T_REPLICAS, s_replicas);
+    if (replicas == NULL) return NULL;
+    if (!PyDict_Check(replicas)) {
+        Py_DECREF(replicas);
+        PyErr_SetString(PyExc_TypeError, "loads_and_delays: the tracker's replicas must be a dict");
+        return NULL;
+    }
+    PyObject *estimate = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
     Buf json = {NULL, 0, 0}, *as_json = NULL;
     if (estimate == (PyObject *)&PyBytes_Type) {  /* the estimates as the record's JSON object */
         estimate = NULL;
         as_json = &json;
     }
     PyObject *names = PySequence_Fast(args[1], "names must be a sequence");
-    if (names == NULL) return NULL;
-    double params[5];
-    for (int i = 0; i < 5; i++) {
-        params[i] = PyFloat_AsDouble(args[2 + i]);
-        if (params[i] == -1.0 && PyErr_Occurred()) {
-            Py_DECREF(names);
-            return NULL;
-        }
+    if (names == NULL) {
+        Py_DECREF(replicas);
+        return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(names);
     PyObject **items = PySequence_Fast_ITEMS(names);
@@ -505,6 +523,7 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
     }
 done:
     PyMem_Free(json.data);
+    Py_DECREF(replicas);
     Py_DECREF(names);
     Py_XDECREF(loads);
     Py_XDECREF(delays);
@@ -791,13 +810,15 @@ done:
     return out;
 }
 
-/* decide(matched, loads, delays, prompt_tokens, block, min_match, per_token_s, queue_weight, loads_sum,
-          balance_factor, balance_slack, follow_slack, follow_abs_slack, running_prefix, candidates, hashes,
-          name_hash) -> (chosen, why, scores, allowed, tied, holding)
+/* decide(matched, loads, delays, prompt_tokens, block, min_match, prefill_weight, queue_weight, tracker,
+          balance_factor, balance_slack, follow_slack, follow_abs_slack, candidates, hashes, name_hash)
+          -> (chosen, why, scores, allowed, tied, holding)
 
    cache_aware's choice once the matches and the loads are known (routing/policies.py
    CacheAware.choose, its Python lines the reference, the same doubles in the same order): the
-   scores, the balance guard (`running_prefix(name, hashes, depth)`, the tracker's, asked only where
+   scores (a prefill token weighs prefill_weight / the tracker's prefill_rate of the first candidate;
+   the candidates serve one model), the balance guard (the load's sum here, `tracker.running_prefix(
+   name, hashes, depth)` asked only where
    the guard binds, in the same order), the best score among the allowed, and of a tie the
    least-loaded step and, where every tied candidate holds the whole prompt, the rendezvous hash of
    its last block (`name_hash`: name -> the policy's 32-bit hash of it). `allowed` is None when the
@@ -809,21 +830,52 @@ done:
 #define MASK32 0xFFFFFFFFULL
 #define SMALL 64
 
+/* tracker.prefill_rate(name) (routing/load.py): the replica's learned rate where it has one (not 0),
+   else the model's. */
+static int prefill_rate_of(PyObject *tracker, PyObject *name, double *rate) {
+    PyObject *replicas = GET(tracker, T_REPLICAS, s_replicas);
+    if (replicas == NULL) return -1;
+    PyObject *load = PyDict_Check(replicas) ? PyDict_GetItemWithError(replicas, name) : NULL;  /* borrowed */
+    int present = 0, rc = 0;
+    *rate = 0.0;
+    if (load != NULL) rc = read_optional(load, s_prefill_tokens_per_s, F_PREFILL_RATE, rate, &present);
+    else if (PyErr_Occurred() || !PyDict_Check(replicas)) rc = -1;
+    Py_DECREF(replicas);
+    if (rc < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "decide: the tracker's replicas must be a dict");
+        return -1;
+    }
+    if (present && *rate != 0.0) return 0;
+    PyObject *model = GET(tracker, T_MODEL, s_model);
+    if (model == NULL) return -1;
+    rc = read_double(model, s_prefill_tokens_per_s, M_RATE, rate);
+    Py_DECREF(model);
+    return rc;
+}
+
 static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 17) {
+    if (nargs != 16) {
         PyErr_SetString(PyExc_TypeError, "decide(matched, loads, delays, prompt_tokens, block, min_match, "
-                                         "per_token_s, queue_weight, loads_sum, balance_factor, balance_slack, "
-                                         "follow_slack, follow_abs_slack, running_prefix, candidates, hashes, "
-                                         "name_hash)");
+                                         "prefill_weight, queue_weight, tracker, balance_factor, balance_slack, "
+                                         "follow_slack, follow_abs_slack, candidates, hashes, name_hash)");
         return NULL;
     }
     ScoreParams p;
-    if (read_score_params(args + 3, &p) < 0) return NULL;
-    double loads_sum = PyFloat_AsDouble(args[8]), balance_factor = PyFloat_AsDouble(args[9]),
-           balance_slack = PyFloat_AsDouble(args[10]), follow_slack = PyFloat_AsDouble(args[11]),
-           follow_abs_slack = PyFloat_AsDouble(args[12]);
+    if (read_score_params(args + 3, &p) < 0) return NULL;  /* p.per_token_s: the prefill weight, for now */
+    double balance_factor = PyFloat_AsDouble(args[9]), balance_slack = PyFloat_AsDouble(args[10]),
+           follow_slack = PyFloat_AsDouble(args[11]), follow_abs_slack = PyFloat_AsDouble(args[12]), rate;
     if (PyErr_Occurred()) return NULL;
-    PyObject *running_prefix = args[13], *candidates_seq = args[14], *hashes = args[15], *name_hash = args[16];
+    PyObject *tracker = args[8], *candidates_seq = args[13], *hashes = args[14], *name_hash = args[15];
+    PyObject *first = PySequence_GetItem(candidates_seq, 0);
+    if (first == NULL) return NULL;
+    int failed = prefill_rate_of(tracker, first, &rate);
+    Py_DECREF(first);
+    if (failed) return NULL;
+    if (rate == 0.0) {
+        PyErr_SetString(PyExc_ZeroDivisionError, "decide: a prefill rate of 0 tokens/s");
+        return NULL;
+    }
+    p.per_token_s = p.per_token_s / rate;
     if (!PyDict_Check(name_hash)) {
         PyErr_SetString(PyExc_TypeError, "decide: name_hash must be a dict");
         return NULL;
@@ -862,10 +914,11 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     scores_list = scored(args[0], args[2], &p, n, matched, score);
     if (scores_list == NULL) goto done;
     long long deepest = matched[0], shallowest = matched[0];
-    double least = 0, most = 0;
+    double least = 0, most = 0, loads_sum = 0.0;  /* sum(loads): the same additions in the same order */
     for (Py_ssize_t i = 0; i < n; i++) {
         load[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(loads, i));
         if (load[i] == -1.0 && PyErr_Occurred()) goto done;
+        loads_sum += load[i];
         if (matched[i] > deepest) deepest = matched[i];
         if (matched[i] < shallowest) shallowest = matched[i];
         if (i == 0 || load[i] < least) least = load[i];
@@ -890,8 +943,8 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!ok && matched[i] >= p.min_match && load[i] <= follow_cap) {
                 PyObject *depth = PyLong_FromLongLong((matched[i] + 1) / 2);
                 if (depth == NULL) goto done;
-                PyObject *running = PyObject_CallFunctionObjArgs(
-                    running_prefix, PySequence_Fast_GET_ITEM(candidates, i), hashes, depth, NULL);
+                PyObject *running = PyObject_CallMethodObjArgs(
+                    tracker, s_running_prefix, PySequence_Fast_GET_ITEM(candidates, i), hashes, depth, NULL);
                 Py_DECREF(depth);
                 if (running == NULL) goto done;
                 int truth = PyObject_IsTrue(running);
@@ -1215,6 +1268,10 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s_model, "model");
     INTERN(s_tickets, "_tickets");
     INTERN(s_own_total, "own_total");
+    INTERN(s_stale_after_s, "stale_after_s");
+    INTERN(s_decode_step_base_s, "decode_step_base_s");
+    INTERN(s_decode_step_s_per_seq, "decode_step_s_per_seq");
+    INTERN(s_running_prefix, "running_prefix");
     INTERN(s_replica, "replica");
     INTERN(s_candidates, "candidates");
     INTERN(s_predicted_cached_tokens, "predicted_cached_tokens");

@@ -326,15 +326,14 @@ class LoadTracker:
         `estimates`, a third item: each one's EstimateLog for the request record, in a list, or
         with estimates=bytes their JSON object by replica name, the record's `load_estimate` as
         it will be written (routing/_decision.c writes it in the same pass: no objects made)."""
-        m = self.model
-        stale_after_s, configured_rate = m.stale_after_s, m.prefill_tokens_per_s
-        step_base_s, step_per_seq_s = m.decode_step_base_s, m.decode_step_s_per_seq
         if _native_loads_and_delays is not None and NATIVE:
-            out = _native_loads_and_delays(self.replicas, replicas, now, stale_after_s, configured_rate, step_base_s,
-                                           step_per_seq_s, (bytes if estimates is bytes else EstimateLog)
+            out = _native_loads_and_delays(self, replicas, now, (bytes if estimates is bytes else EstimateLog)
                                            if estimates else None)
             if out is not None:  # else a replica not tracked yet: the loop below adds it
                 return out
+        m = self.model
+        stale_after_s, configured_rate = m.stale_after_s, m.prefill_tokens_per_s
+        step_base_s, step_per_seq_s = m.decode_step_base_s, m.decode_step_s_per_seq
         get = self.replicas.get
         loads: list[float] = []
         delays: list[float] = []

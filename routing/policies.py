@@ -330,20 +330,20 @@ class CacheAware:
             # load and cache room decide (see the class doc).
             min_match = n_blocks + 1
             shared_prefix = True
-        # The candidates serve one model, which the gateway gives one prefill rate: scores stay
-        # comparable (and ties exact) across them.
-        per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
         if _native_decide is not None and NATIVE:
             # What follows, in one C call (routing/_decision.c decide: the same steps on the same
             # doubles); a tie it leaves (the caches' fill and turnover, turns, a name not hashed
             # yet) is broken below.
             chosen, why, scores, allowed, tied, holding = _native_decide(
-                matched, loads, delays, prompt_tokens, block, min_match, per_token_s, self.queue_weight, sum(loads),
-                self.balance_factor, self.balance_slack, self.follow_slack, self.follow_abs_slack,
-                tracker.running_prefix, candidates, hashes, self._name_hash)
+                matched, loads, delays, prompt_tokens, block, min_match, self.prefill_weight, self.queue_weight,
+                tracker, self.balance_factor, self.balance_slack, self.follow_slack, self.follow_abs_slack,
+                candidates, hashes, self._name_hash)
             if tied is not None:
                 chosen, why = self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding)
         else:
+            # The candidates serve one model, which the gateway gives one prefill rate: scores stay
+            # comparable (and ties exact) across them.
+            per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
             chosen, why, scores, allowed = self._decide(candidates, hashes, matched, loads, delays, table,
                                                         prompt_tokens, min_match, per_token_s, deepest)
         cached_tokens = matched[chosen] * block
