@@ -66,7 +66,17 @@ static int is_slot(PyObject *obj, PyObject *name, Field *cache, int set) {
 }
 
 static PyObject *get_field(PyObject *obj, PyObject *name, Field *cache) {
-    return is_slot(obj, name, cache, 0) ? PyMember_GetOne((const char *)obj, cache->member) : PyObject_GetAttr(obj, name);
+    if (!is_slot(obj, name, cache, 0)) return PyObject_GetAttr(obj, name);
+    PyObject *value = *(PyObject **)((char *)obj + cache->member->offset);  /* T_OBJECT_EX: set, or unset */
+    if (value == NULL) return PyMember_GetOne((const char *)obj, cache->member);  /* its AttributeError */
+    return Py_NewRef(value);
+}
+
+/* A number as a double, as PyFloat_AsDouble gives it (a float or an int read in place). */
+static inline double as_double(PyObject *value) {
+    if (PyFloat_CheckExact(value)) return PyFloat_AS_DOUBLE(value);
+    if (PyLong_CheckExact(value)) return PyLong_AsDouble(value);
+    return PyFloat_AsDouble(value);
 }
 
 /* obj.name = value, as STORE_ATTR: 0, or -1 with an exception set. */
@@ -88,7 +98,7 @@ static Field fields[N_FIELDS];
 static int read_double(PyObject *obj, PyObject *name, int field, double *out) {
     PyObject *value = GET(obj, field, name);
     if (value == NULL) return -1;
-    *out = PyFloat_AsDouble(value);
+    *out = as_double(value);
     Py_DECREF(value);
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
@@ -113,7 +123,7 @@ static int read_optional(PyObject *obj, PyObject *name, int field, double *out, 
         return 0;
     }
     *present = 1;
-    *out = PyFloat_AsDouble(value);
+    *out = as_double(value);
     Py_DECREF(value);
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
@@ -278,7 +288,7 @@ static int put_number(Buf *b, PyObject *obj, int round6) {
         Py_DECREF(text);
         return rc;
     }
-    double value = PyFloat_AsDouble(obj);
+    double value = as_double(obj);
     if (value == -1.0 && PyErr_Occurred()) return -1;
     if (round6 && isfinite(value)) value = nearbyint(value * 1e6) / 1e6;
     return put_double(b, value);
@@ -402,8 +412,8 @@ static int one(PyObject *load, double now, double stale_after_s, double configur
         PyErr_SetString(PyExc_TypeError, "ScrapedLoad.extra must be a (waiting, running) tuple");
         return -1;
     }
-    double extra_waiting = PyFloat_AsDouble(PyTuple_GET_ITEM(extra, 0));
-    double extra_running = PyFloat_AsDouble(PyTuple_GET_ITEM(extra, 1));
+    double extra_waiting = as_double(PyTuple_GET_ITEM(extra, 0));
+    double extra_running = as_double(PyTuple_GET_ITEM(extra, 1));
     Py_DECREF(extra);
     if (PyErr_Occurred()) {
         Py_DECREF(scraped);
@@ -469,7 +479,7 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     double params[5];
-    params[0] = PyFloat_AsDouble(args[2]);
+    params[0] = as_double(args[2]);
     if ((params[0] == -1.0 && PyErr_Occurred()) || model_params(args[0], params) < 0) return NULL;
     PyObject *replicas = GET(args[0], T_REPLICAS, s_replicas);
     if (replicas == NULL) return NULL;
@@ -587,7 +597,7 @@ static int drain(PyObject *tracker, PyObject *load) {
     Py_DECREF(clock);
     if (now_obj == NULL) return -1;
     int rc = -1;
-    double now = PyFloat_AsDouble(now_obj), at, backlog, rate;
+    double now = as_double(now_obj), at, backlog, rate;
     int has_rate;
     if ((now == -1.0 && PyErr_Occurred()) || read_double(load, s_backlog_at, F_BACKLOG_AT, &at) < 0) goto done;
     if (!(now > at)) {
@@ -679,7 +689,7 @@ static int first_token_of(PyObject *tracker, PyObject *load, long long prompt, l
     double backlog;
     PyObject *pending_obj = GET(load, F_PENDING, s_pending_prefill_tokens);
     if (pending_obj == NULL) return -1;
-    double pending_d = PyFloat_AsDouble(pending_obj);
+    double pending_d = as_double(pending_obj);
     int rc = -1;
     if ((pending_d == -1.0 && PyErr_Occurred()) || read_double(load, s_backlog_tokens, F_BACKLOG_TOKENS, &backlog) < 0)
         goto done;
@@ -763,8 +773,8 @@ static int read_score_params(PyObject *const *args, ScoreParams *p) {
     p->prompt_tokens = PyLong_AsLongLong(args[0]);
     p->block = PyLong_AsLongLong(args[1]);
     p->min_match = PyLong_AsLongLong(args[2]);
-    p->per_token_s = PyFloat_AsDouble(args[3]);
-    p->queue_weight = PyFloat_AsDouble(args[4]);
+    p->per_token_s = as_double(args[3]);
+    p->queue_weight = as_double(args[4]);
     return PyErr_Occurred() ? -1 : 0;
 }
 
@@ -789,7 +799,7 @@ static PyObject *scored(PyObject *matched_seq, PyObject *delays_seq, const Score
     if (out == NULL) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         long long blocks = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(matched, i));
-        double delay = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(delays, i));
+        double delay = as_double(PySequence_Fast_GET_ITEM(delays, i));
         if (PyErr_Occurred()) {
             Py_CLEAR(out);
             goto done;
@@ -862,8 +872,8 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     ScoreParams p;
     if (read_score_params(args + 3, &p) < 0) return NULL;  /* p.per_token_s: the prefill weight, for now */
-    double balance_factor = PyFloat_AsDouble(args[9]), balance_slack = PyFloat_AsDouble(args[10]),
-           follow_slack = PyFloat_AsDouble(args[11]), follow_abs_slack = PyFloat_AsDouble(args[12]), rate;
+    double balance_factor = as_double(args[9]), balance_slack = as_double(args[10]),
+           follow_slack = as_double(args[11]), follow_abs_slack = as_double(args[12]), rate;
     if (PyErr_Occurred()) return NULL;
     PyObject *tracker = args[8], *candidates_seq = args[13], *hashes = args[14], *name_hash = args[15];
     PyObject *first = PySequence_GetItem(candidates_seq, 0);
@@ -916,7 +926,7 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long long deepest = matched[0], shallowest = matched[0];
     double least = 0, most = 0, loads_sum = 0.0;  /* sum(loads): the same additions in the same order */
     for (Py_ssize_t i = 0; i < n; i++) {
-        load[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(loads, i));
+        load[i] = as_double(PySequence_Fast_GET_ITEM(loads, i));
         if (load[i] == -1.0 && PyErr_Occurred()) goto done;
         loads_sum += load[i];
         if (matched[i] > deepest) deepest = matched[i];
