@@ -65,11 +65,19 @@ static int is_slot(PyObject *obj, PyObject *name, Field *cache, int set) {
     return 1;
 }
 
-static PyObject *get_field(PyObject *obj, PyObject *name, Field *cache) {
+static PyObject *get_field_found(PyObject *obj, PyObject *name, Field *cache) {
     if (!is_slot(obj, name, cache, 0)) return PyObject_GetAttr(obj, name);
     PyObject *value = *(PyObject **)((char *)obj + cache->member->offset);  /* T_OBJECT_EX: set, or unset */
     if (value == NULL) return PyMember_GetOne((const char *)obj, cache->member);  /* its AttributeError */
     return Py_NewRef(value);
+}
+
+static inline PyObject *get_field(PyObject *obj, PyObject *name, Field *cache) {
+    if (cache->type == Py_TYPE(obj)) {  /* the slot, read in place (most reads) */
+        PyObject *value = *(PyObject **)((char *)obj + cache->member->offset);
+        if (value != NULL) return Py_NewRef(value);
+    }
+    return get_field_found(obj, name, cache);
 }
 
 /* A number as a double, as PyFloat_AsDouble gives it (a float or an int read in place). */
@@ -130,20 +138,31 @@ static int read_optional(PyObject *obj, PyObject *name, int field, double *out, 
 
 /* ---- JSON: the record's routing field (explain, below) and the load estimates in it ---------------- */
 
+/* Written into `stack` (a record's field for 4 candidates is ~1 KB), then a PyMem block past it.
+   BUF_INIT(b) before use; buf_free(b) after. */
+#define BUF_STACK 2048
 typedef struct {
     char *data;
     Py_ssize_t len, cap;
+    char stack[BUF_STACK];
 } Buf;
+
+#define BUF_INIT(b) ((b)->data = (b)->stack, (b)->len = 0, (b)->cap = BUF_STACK)
+
+static void buf_free(Buf *b) {
+    if (b->data != b->stack) PyMem_Free(b->data);
+}
 
 static int buf_grow(Buf *b, Py_ssize_t more) {
     if (b->len + more <= b->cap) return 0;
-    Py_ssize_t cap = b->cap ? b->cap : 2048;  /* a record's field for 4 candidates: ~1 KB */
+    Py_ssize_t cap = b->cap;
     while (cap < b->len + more) cap *= 2;
-    char *data = PyMem_Realloc(b->data, cap);
+    char *data = b->data == b->stack ? PyMem_Malloc(cap) : PyMem_Realloc(b->data, cap);
     if (data == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    if (b->data == b->stack) memcpy(data, b->stack, b->len);
     b->data = data;
     b->cap = cap;
     return 0;
@@ -489,7 +508,8 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     PyObject *estimate = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
-    Buf json = {NULL, 0, 0}, *as_json = NULL;
+    Buf json, *as_json = NULL;
+    BUF_INIT(&json);
     if (estimate == (PyObject *)&PyBytes_Type) {  /* the estimates as the record's JSON object */
         estimate = NULL;
         as_json = &json;
@@ -532,7 +552,7 @@ static PyObject *loads_and_delays(PyObject *self, PyObject *const *args, Py_ssiz
         out = estimates ? PyTuple_Pack(3, loads, delays, estimates) : PyTuple_Pack(2, loads, delays);
     }
 done:
-    PyMem_Free(json.data);
+    buf_free(&json);
     Py_DECREF(replicas);
     Py_DECREF(names);
     Py_XDECREF(loads);
@@ -1119,7 +1139,7 @@ static int put_tail(Buf *b, PyObject *predicted, PyObject *mode, PyObject *estim
 
 static PyObject *finish_buf(Buf *b, int rc) {
     PyObject *out = rc < 0 ? NULL : PyBytes_FromStringAndSize(b->data, b->len);
-    PyMem_Free(b->data);
+    buf_free(b);
     return out;
 }
 
@@ -1130,7 +1150,8 @@ static PyObject *explain(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                                          "estimates, retried_after)");
         return NULL;
     }
-    Buf b = {NULL, 0, 0};
+    Buf b;
+    BUF_INIT(&b);
     int rc = (PUT(&b, "{\"policy\":") < 0 || put_str(&b, args[0]) < 0 || PUT(&b, ",\"reason\":") < 0
               || put_str(&b, args[1]) < 0 || PUT(&b, ",\"chosen\":") < 0 || put_str(&b, args[2]) < 0
               || PUT(&b, ",\"candidates\":") < 0 || put_names(&b, args[3]) < 0
@@ -1219,7 +1240,8 @@ static PyObject *explain_cache_aware(PyObject *self, PyObject *const *args, Py_s
     PyObject *names[N_DECISION_FIELDS] = {s_replica, s_candidates, s_predicted_cached_tokens, s__matched, s__loads,
                                           s__scores, s__allowed, s__why, s__balance_factor, s__shared_prefix};
     PyObject *d[N_DECISION_FIELDS] = {NULL};
-    Buf b = {NULL, 0, 0};
+    Buf b;
+    BUF_INIT(&b);
     int rc = -1;
     for (int i = 0; i < N_DECISION_FIELDS; i++) {
         if ((d[i] = GET(args[0], D_REPLICA + i, names[i])) == NULL) goto done;
