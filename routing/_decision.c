@@ -23,7 +23,7 @@
    msgspec does. `estimates` may also be their JSON object already written (bytes: cache_aware's,
    from loads_and_delays with estimate=bytes).
 
-   explain_cache_aware(decision, mode, estimates, retried_after) -> bytes
+   explain_cache_aware(decision, mode, estimates, retried_after) -> msgspec.Raw
 
    explain() of a CacheAwareDecision (routing/policies.py), its fields read at their slots and its
    reason worded here as the `reason` property (the reference) words it: no reason string, no
@@ -1232,6 +1232,8 @@ done:
     return rc;
 }
 
+static PyObject *raw_type;  /* msgspec.Raw */
+
 static PyObject *explain_cache_aware(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "explain_cache_aware(decision, mode, estimates, retried_after)");
@@ -1256,7 +1258,11 @@ static PyObject *explain_cache_aware(PyObject *self, PyObject *const *args, Py_s
           || put_tail(&b, d[R_PREDICTED], args[1], args[2], args[3]) < 0) ? -1 : 0;
 done:
     for (int i = 0; i < N_DECISION_FIELDS; i++) Py_XDECREF(d[i]);
-    return finish_buf(&b, rc);
+    PyObject *written = finish_buf(&b, rc);
+    if (written == NULL) return NULL;
+    PyObject *raw = PyObject_CallOneArg(raw_type, written);  /* msgspec.Raw: the record's encoder copies it in */
+    Py_DECREF(written);
+    return raw;
 }
 
 static PyMethodDef methods[] = {
@@ -1271,7 +1277,7 @@ static PyMethodDef methods[] = {
      "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, holding)."},
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
     {"explain_cache_aware", (PyCFunction)(void (*)(void))explain_cache_aware, METH_FASTCALL,
-     "explain() of a CacheAwareDecision, its reason worded here."},
+     "explain() of a CacheAwareDecision, its reason worded here, as msgspec.Raw."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1315,6 +1321,11 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s__balance_factor, "_balance_factor");
     INTERN(s__shared_prefix, "_shared_prefix");
 #undef INTERN
+    PyObject *msgspec = PyImport_ImportModule("msgspec");
+    if (msgspec == NULL) return NULL;
+    raw_type = PyObject_GetAttrString(msgspec, "Raw");
+    Py_DECREF(msgspec);
+    if (raw_type == NULL) return NULL;
     for (int c = 0; c < 0x20; c++) escaped[c] = 1;
     escaped['"'] = escaped['\\'] = 1;
     return PyModule_Create(&module);

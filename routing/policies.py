@@ -210,10 +210,10 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
                     f"extra cached blocks")
         return text + (f"; tie broken by {self._why}" if self._why else "")
 
-    def explain_json(self, mode: str, estimates, retried_after: list | None) -> msgspec.Raw:
-        """routing.policy.routing_json of this decision: one C call that reads the fields and words
-        `reason` as the property above does (its reference)."""
-        return msgspec.Raw(_explain_cache_aware(self, mode, estimates, retried_after))
+    # explain_json(decision, mode, estimates, retried_after) -> msgspec.Raw: routing.policy.routing_json
+    # of a decision of this class, one C call (no Python frame) that reads its fields and words
+    # `reason` as the property above does (its reference). None where the C module was not built.
+    explain_json = _explain_cache_aware
 
     def as_log(self) -> dict:
         """decision_log's record, from the aligned lists (no dict of scores made to be rounded)."""

@@ -109,14 +109,14 @@ def routing_json(decision, mode: str, estimates, retried_after: list | None) -> 
     """The `routing` field of a request record as JSON, ready to go into the record's encoding:
     routing_log's object plus `mode`, `load_estimate` (EstimateLog by name: a dict, or their JSON
     object already written, bytes) and `retried_after` when given, written by
-    routing/_decision.c in one call instead of four dicts built and then encoded. A decision with
-    an `explain_json` method (cache_aware's) writes its own. None where the C module was not built
-    (the record keeps the dict)."""
+    routing/_decision.c in one call instead of four dicts built and then encoded. A decision whose
+    class has an `explain_json` function (cache_aware's) writes its own with it. None where the C
+    module was not built (the record keeps the dict)."""
     if _explain is None or not NATIVE:
         return None
-    own = getattr(decision, "explain_json", None)
+    own = getattr(type(decision), "explain_json", None)
     if own is not None:
-        return own(mode, estimates, retried_after)
+        return own(decision, mode, estimates, retried_after)
     m, l, s = decision.matched_blocks, decision.load, decision.scores
     return msgspec.Raw(_explain(decision.policy, decision.reason, decision.replica, decision.candidates,
                                 m.keys(), m.values(), l.keys(), l.values(), s.keys(), s.values(),
