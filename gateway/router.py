@@ -76,6 +76,7 @@ class Router:
         self.state: RoutingState | None = None
         self.config: Config | None = None
         self.policy = None
+        self.reads_prefixes = False
         self.precise: dict[str, bool] = {}          # replica -> KV events currently trusted
         self.expect_events: dict[str, float] = {}   # replica -> since when a BlockStored is overdue
         self.learned_capacity: dict[str, int] = {}  # replica -> blocks, from its /metrics
@@ -136,6 +137,7 @@ class Router:
             if spec.name not in policy_state.model_of:
                 policy_state.add_replica(spec.name, spec.model, self._capacity(spec, routing))
         self.state, self.policy, self.config = policy_state, policy, config
+        self.reads_prefixes = policy.reads_prefixes  # whether it routes on the prompt's block hashes
         if not routing.load.learn:
             self.adopted_prefill_rates.clear()
             self.adopted_decode_scales.clear()
@@ -260,11 +262,6 @@ class Router:
 
     def session_key(self, headers, user: str | None) -> str | None:
         return headers.get(self.config.routing.session_header) or user or None
-
-    @property
-    def reads_prefixes(self) -> bool:
-        """Whether the policy routes on the prompt's block hashes."""
-        return self.policy.reads_prefixes
 
     def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
         """Computed once per request (retries reuse them): ~500 xxh3 calls for an 8k prompt, kept
