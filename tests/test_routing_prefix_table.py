@@ -378,3 +378,22 @@ def test_full_table_loses_few_blocks_to_full_buckets_and_keeps_the_bound():
     found = sum(int(table.holds(replicas[i % 8], keys).sum()) for i, keys in enumerate(inserted))
     assert found == held
     assert table.memory_bytes() / (8 * 25_000) <= 64
+
+
+@pytest.mark.skipif(prefix_table._native is None, reason="routing/_prefix_match.c not built")
+def test_the_one_call_match_reads_a_list_of_ints_as_the_uint64_array_it_stands_for():
+    """native_match/native_guess read the gateway's list of hash ints in place: every 64-bit value
+    (one, two and three 30-bit digits, the top bit set) as the array holding it, 0 as the 1 it is
+    stored as; an int outside [0, 2**64) is left to the method (None), which refuses it."""
+    table = _table("a", "b")
+    edges = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1, 12345678901234567890]
+    assert prefix_table.native_guess(table, "a", list(edges), 1.0) is not None
+    as_array = np.array([e or 1 for e in edges], dtype=np.uint64)
+    table.match_lengths(as_array, 1.0, ["a", "b"])  # memoises the candidates
+    assert prefix_table.native_match(table, list(edges), 1.0, ["a", "b"]) == \
+        prefix_table.native_match(table, as_array, 1.0, ["a", "b"]) == [len(edges), 0]
+    for wrong in (2**64, -1, 2**90):
+        assert prefix_table.native_match(table, [1, wrong], 1.0, ["a", "b"]) is None
+        assert prefix_table.native_guess(table, "b", [1, wrong], 1.0) is None
+        with pytest.raises(OverflowError):
+            table.match_lengths([1, wrong], 1.0, ["a", "b"])
