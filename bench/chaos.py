@@ -36,15 +36,9 @@ import urllib.request
 from pathlib import Path
 
 from bench.loadgen import LoadgenProcess, Phase, arrival_offsets_s, percentiles_ms
+from tests.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str, timeout_s: float = 5.0):

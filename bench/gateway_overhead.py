@@ -23,7 +23,6 @@ import math
 import os
 import signal
 import statistics
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from bench.loadgen import LoadgenProcess, Phase, PhaseResult, percentiles_ms, start_bench
 from bench.stub_backend import StubProcess, die_with_parent
+from tests.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog. A gateway routes each request to the replica."
@@ -62,12 +62,6 @@ def settings_from(args) -> Settings:
 
 
 # -- the gateway process -----------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def write_config(directory: Path, port: int, stub_url: str) -> Path:
     path = directory / "gateway.yaml"

@@ -30,12 +30,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEALTH_POLL_S = 0.1  # another process's readiness has no event to await: poll, bounded below
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago (the OS hands out ports round robin,
-    so a reuse race within one test run is very unlikely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """An ephemeral loopback port that was free a moment ago and that this process has not handed
+    out before. Linux picks bind(0)'s port at random, so two calls in a row can return the same
+    one (a CI run once got a gateway port equal to a replica's); remembering them rules that out
+    within a test process. A port is never given back: a run uses a few hundred of ~28k."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no loopback port free that this process has not handed out already")
 
 
 @dataclass
