@@ -12,6 +12,18 @@
    candidate's record of the estimate, the request log's `routing.load_estimate`, as the Python loop
    does; with estimate=bytes, that object's JSON instead, written in the same pass.
 
+   decide(matched, loads, delays, prompt_tokens, block, min_match, prefill_weight, queue_weight, tracker,
+          balance_factor, balance_slack, follow_slack, follow_abs_slack, candidates, hashes, name_hash,
+          table, policy, now) -> (chosen, why, scores, allowed, tied, skip_cache)
+
+   cache_aware's choice once the matches and loads are known (CacheAware._decide, the reference):
+   the scores, the balance guard, the best allowed, and a tie's steps: least load, the caches' fill
+   and turnover (read from the table's counts, on the policy's own turnover state, which it updates
+   as turnover() does), turns for a prompt shorter than a block, the rendezvous hash. `tied` (not
+   None, chosen -1) is a tie left to Python: a replica name not hashed yet, or a table or state of a
+   shape not read here; skip_cache says the cache steps are done (or every tied replica holds the
+   whole prompt).
+
    explain(policy, reason, chosen, candidates, matched_names, matched, load_names, loads, scored, scores,
            predicted_cached_tokens, mode, estimates, retried_after) -> bytes
 
@@ -33,6 +45,7 @@
 #include <structmember.h>
 #include <math.h>
 #include <string.h>
+#include <limits.h>
 
 static PyObject *s_prefill_tokens_per_s, *s_pending_prefill_tokens, *s_backlog_at, *s_backlog_tokens,
     *s_waiting, *s_decoding, *s_scraped, *s_extra, *s_at_s, *s_decode_step_scale, *s_routed,
@@ -883,17 +896,273 @@ static int prefill_rate_of(PyObject *tracker, PyObject *name, double *rate) {
     return rc;
 }
 
+/* The tie's cache steps, CacheAware._by_cache and turnover (routing/policies.py, the reference):
+   the same comparisons on the same doubles. Constants: set_tie_constants(), called once by
+   routing/policies.py with its own. */
+static double fill_tolerance_prompts = -1, fill_spread_below = -1, rebase_halvings = -1;
+static PyObject *s__index, *s__capacities, *s__counts, *s__new_blocks, *s__turnover_origin,
+    *s_turnover_half_life_s, *s__turn;
+
+static PyObject *set_tie_constants(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_tie_constants(fill_tolerance_prompts, fill_spread_below, "
+                                         "rebase_halvings)");
+        return NULL;
+    }
+    double values[3];
+    for (int i = 0; i < 3; i++) {
+        values[i] = PyFloat_AsDouble(args[i]);
+        if (values[i] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    fill_tolerance_prompts = values[0];
+    fill_spread_below = values[1];
+    rebase_halvings = values[2];
+    Py_RETURN_NONE;
+}
+
+/* A table's counts (PrefixTable._counts, int64 [2][columns]: blocks held, blocks written), its
+   _index and _capacities dicts. 0: not that shape (the Python steps then run). */
+typedef struct {
+    Py_buffer view;
+    PyObject *index, *capacities;
+    const long long *sizes, *written;
+    Py_ssize_t columns;
+} TableView;
+
+static void table_view_release(TableView *t) {
+    if (t->view.obj != NULL) PyBuffer_Release(&t->view);
+    Py_CLEAR(t->index);
+    Py_CLEAR(t->capacities);
+}
+
+static int table_view(PyObject *table, TableView *t) {
+    memset(t, 0, sizeof(*t));
+    PyObject *counts = PyObject_GetAttr(table, s__counts);
+    if (counts == NULL) return -1;
+    int rc = PyObject_GetBuffer(counts, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+    Py_DECREF(counts);
+    if (rc < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (t->view.ndim != 2 || t->view.itemsize != 8 || t->view.shape[0] != 2 || t->view.format == NULL
+        || (strcmp(t->view.format, "l") && strcmp(t->view.format, "q") && strcmp(t->view.format, "<q")
+            && strcmp(t->view.format, "<l") && strcmp(t->view.format, "=q"))) {
+        return 0;
+    }
+    t->columns = t->view.shape[1];
+    t->sizes = (const long long *)t->view.buf;
+    t->written = t->sizes + t->columns;
+    if ((t->index = PyObject_GetAttr(table, s__index)) == NULL) return -1;
+    if ((t->capacities = PyObject_GetAttr(table, s__capacities)) == NULL) return -1;
+    return PyDict_Check(t->index) && PyDict_Check(t->capacities);
+}
+
+/* name's column in the table and its capacity. 0: not known there, or not ints (Python's steps
+   raise what they raise). */
+static int column_of(TableView *t, PyObject *name, Py_ssize_t *column, long long *capacity) {
+    PyObject *bit = PyDict_GetItemWithError(t->index, name);
+    if (bit == NULL) return PyErr_Occurred() ? -1 : 0;
+    PyObject *cap = PyDict_GetItemWithError(t->capacities, name);
+    if (cap == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyLong_CheckExact(bit) || !PyLong_CheckExact(cap)) return 0;
+    *column = PyLong_AsSsize_t(bit);
+    *capacity = PyLong_AsLongLong(cap);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return *column >= 0 && *column < t->columns && *capacity > 0;
+}
+
+/* turnover()'s pass over every replica of the table: the policy's _new_blocks brought up to date
+   at `now` (rebased past rebase_halvings). 0: a state not of the reference's shape. */
+static int turnover_update(TableView *t, PyObject *policy, double now) {
+    PyObject *seen = PyObject_GetAttr(policy, s__new_blocks), *origin_obj = NULL, *half_obj = NULL;
+    int rc = -1;
+    if (seen == NULL) return -1;
+    if (!PyDict_Check(seen)) {
+        rc = 0;
+        goto out;
+    }
+    if ((origin_obj = PyObject_GetAttr(policy, s__turnover_origin)) == NULL) goto out;
+    if ((half_obj = PyObject_GetAttr(policy, s_turnover_half_life_s)) == NULL) goto out;
+    double half_life = PyFloat_AsDouble(half_obj), origin;
+    if (half_life == -1.0 && PyErr_Occurred()) goto out;
+    if (origin_obj == Py_None) {
+        PyObject *value = PyFloat_FromDouble(now);
+        if (value == NULL || PyObject_SetAttr(policy, s__turnover_origin, value) < 0) {
+            Py_XDECREF(value);
+            goto out;
+        }
+        Py_DECREF(value);
+        origin = now;
+    } else {
+        origin = PyFloat_AsDouble(origin_obj);
+        if (origin == -1.0 && PyErr_Occurred()) goto out;
+    }
+    double halvings = (now - origin) / half_life;
+    Py_ssize_t pos = 0;
+    PyObject *key, *entry;
+    if (halvings > rebase_halvings) {  /* the sums start again from now */
+        double scale = halvings < 1000 ? pow(2.0, -halvings) : 0.0;
+        while (PyDict_Next(seen, &pos, &key, &entry)) {
+            if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 2) {
+                rc = 0;
+                goto out;
+            }
+            double sum = PyFloat_AsDouble(PyList_GET_ITEM(entry, 1));
+            if (sum == -1.0 && PyErr_Occurred()) goto out;
+            PyObject *value = PyFloat_FromDouble(sum * scale);
+            if (value == NULL) goto out;
+            PyList_SetItem(entry, 1, value);  /* steals value */
+        }
+        PyObject *value = PyFloat_FromDouble(now);
+        if (value == NULL || PyObject_SetAttr(policy, s__turnover_origin, value) < 0) {
+            Py_XDECREF(value);
+            goto out;
+        }
+        Py_DECREF(value);
+        halvings = 0.0;
+    }
+    double weight = pow(2.0, halvings);
+    pos = 0;
+    PyObject *bit;
+    while (PyDict_Next(t->index, &pos, &key, &bit)) {
+        Py_ssize_t column = PyLong_AsSsize_t(bit);
+        if (column == -1 && PyErr_Occurred()) goto out;
+        if (column < 0 || column >= t->columns) {
+            rc = 0;
+            goto out;
+        }
+        long long written = t->written[column];
+        entry = PyDict_GetItemWithError(seen, key);
+        if (entry == NULL) {
+            if (PyErr_Occurred()) goto out;
+            PyObject *fresh = Py_BuildValue("[Ld]", written, (double)written * weight);
+            if (fresh == NULL) goto out;
+            int failed = PyDict_SetItem(seen, key, fresh);
+            Py_DECREF(fresh);
+            if (failed) goto out;
+            continue;
+        }
+        if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 2 || !PyLong_CheckExact(PyList_GET_ITEM(entry, 0))) {
+            rc = 0;
+            goto out;
+        }
+        long long before = PyLong_AsLongLong(PyList_GET_ITEM(entry, 0));
+        if (before == -1 && PyErr_Occurred()) goto out;
+        if (written == before) continue;
+        double sum = PyFloat_AsDouble(PyList_GET_ITEM(entry, 1));
+        if (sum == -1.0 && PyErr_Occurred()) goto out;
+        /* re-added (the count went back): what it holds counts anew */
+        PyObject *value = PyFloat_FromDouble(sum + (double)(written > before ? written - before : written) * weight);
+        if (value == NULL) goto out;
+        PyList_SetItem(entry, 1, value);
+        if ((value = PyLong_FromLongLong(written)) == NULL) goto out;
+        PyList_SetItem(entry, 0, value);
+    }
+    rc = 1;
+out:
+    Py_DECREF(seen);
+    Py_XDECREF(origin_obj);
+    Py_XDECREF(half_obj);
+    return rc;
+}
+
+/* Narrows tied[0..*n_tied) to the emptiest caches, then the slowest turnover; *why once one is
+   left. 1: done, 0: declined before the policy's state changed in a way Python's steps would not
+   repeat (the Python steps then run from the start), -1: an error. */
+static int cache_steps(PyObject *table, PyObject *policy, double now, PyObject *candidates,
+                       Py_ssize_t *tied, Py_ssize_t *n_tied, Py_ssize_t n_blocks, const char **why) {
+    if (fill_tolerance_prompts < 0) return 0;  /* set_tie_constants not called */
+    TableView t;
+    int rc = table_view(table, &t);
+    if (rc <= 0) goto out;
+    Py_ssize_t n = *n_tied, column;
+    double value_small[SMALL], *value = n > SMALL ? PyMem_Malloc(n * sizeof(double)) : value_small;
+    long long capacity_small[SMALL], *capacity = n > SMALL ? PyMem_Malloc(n * sizeof(long long)) : capacity_small;
+    if (value == NULL || capacity == NULL) {
+        PyErr_NoMemory();
+        rc = -1;
+        goto freed;
+    }
+    double low = 0, high = 0;
+    long long least_capacity = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        rc = column_of(&t, PySequence_Fast_GET_ITEM(candidates, tied[k]), &column, &capacity[k]);
+        if (rc <= 0) goto freed;
+        value[k] = (double)t.sizes[column] / (double)capacity[k];
+        if (k == 0 || value[k] < low) low = value[k];
+        if (k == 0 || value[k] > high) high = value[k];
+        if (k == 0 || capacity[k] < least_capacity) least_capacity = capacity[k];
+    }
+    /* A clearly emptier cache: by more than part of this prompt (small differences are noise). */
+    double part = fill_tolerance_prompts * (double)n_blocks;
+    double tolerance = (part < 1.0 ? 1.0 : part) / (double)least_capacity;
+    if (low < fill_spread_below && high > low + tolerance) {
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (value[k] <= low + tolerance) {
+                tied[kept] = tied[k];
+                capacity[kept++] = capacity[k];
+            }
+        n = kept;
+        if (n == 1) *why = "emptiest cache";
+    }
+    if (n > 1 && n_blocks) {  /* then where the fewest new blocks went of late */
+        rc = turnover_update(&t, policy, now);
+        if (rc <= 0) goto freed;
+        PyObject *seen = PyObject_GetAttr(policy, s__new_blocks);
+        if (seen == NULL) {
+            rc = -1;
+            goto freed;
+        }
+        for (Py_ssize_t k = 0; k < n && rc > 0; k++) {
+            PyObject *entry = PyDict_GetItemWithError(seen, PySequence_Fast_GET_ITEM(candidates, tied[k]));
+            if (entry == NULL) {
+                rc = PyErr_Occurred() ? -1 : 0;
+                break;
+            }
+            double sum = PyFloat_AsDouble(PyList_GET_ITEM(entry, 1));  /* a list of 2: turnover_update checked */
+            if (sum == -1.0 && PyErr_Occurred()) rc = -1;
+            value[k] = sum / (double)capacity[k];
+            if (k == 0 || value[k] < low) low = value[k];
+            if (k == 0 || value[k] > high) high = value[k];
+        }
+        Py_DECREF(seen);
+        if (rc <= 0) goto freed;
+        if (high > low) {
+            Py_ssize_t kept = 0;
+            for (Py_ssize_t k = 0; k < n; k++)
+                if (value[k] == low) tied[kept++] = tied[k];
+            n = kept;
+            if (n == 1) *why = "slowest cache turnover";
+        }
+    }
+    *n_tied = n;
+    rc = 1;
+freed:
+    if (value != value_small) PyMem_Free(value);
+    if (capacity != capacity_small) PyMem_Free(capacity);
+out:
+    table_view_release(&t);
+    return rc;
+}
+
 static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 16) {
+    if (nargs != 19) {
         PyErr_SetString(PyExc_TypeError, "decide(matched, loads, delays, prompt_tokens, block, min_match, "
                                          "prefill_weight, queue_weight, tracker, balance_factor, balance_slack, "
-                                         "follow_slack, follow_abs_slack, candidates, hashes, name_hash)");
+                                         "follow_slack, follow_abs_slack, candidates, hashes, name_hash, table, "
+                                         "policy, now)");
         return NULL;
     }
     ScoreParams p;
     if (read_score_params(args + 3, &p) < 0) return NULL;  /* p.per_token_s: the prefill weight, for now */
     double balance_factor = as_double(args[9]), balance_slack = as_double(args[10]),
            follow_slack = as_double(args[11]), follow_abs_slack = as_double(args[12]), rate;
+    double now = as_double(args[18]);
     if (PyErr_Occurred()) return NULL;
     PyObject *tracker = args[8], *candidates_seq = args[13], *hashes = args[14], *name_hash = args[15];
     PyObject *first = PySequence_GetItem(candidates_seq, 0);
@@ -1002,12 +1271,13 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (tied[i] >= 0 && score[i] == best) tied[n_tied++] = i;
     Py_ssize_t chosen = tied[0];
     const char *why = "";
-    int holding = 0, decided = 1;
+    int holding = 0, decided = 1, skip_cache = 0;
     if (n_tied > 1) {
         long long held = matched[tied[0]];
         for (Py_ssize_t k = 1; k < n_tied; k++)
             if (matched[tied[k]] < held) held = matched[tied[k]];
         holding = n_blocks && held == n_blocks;
+        skip_cache = holding;
         double low = load[tied[0]], high = low;
         for (Py_ssize_t k = 1; k < n_tied; k++) {
             if (load[tied[k]] < low) low = load[tied[k]];
@@ -1022,38 +1292,64 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (n_tied == 1) {
             chosen = tied[0];
             why = "least load";
-        } else if (holding) {  /* rendezvous: the lowest rank of (name hash ^ the last block's hash) */
-            PyObject *item = PySequence_GetItem(hashes, deepest < n_blocks - 1 ? deepest : n_blocks - 1);
-            if (item == NULL) goto done;
-            PyObject *number = PyNumber_Index(item);
-            Py_DECREF(item);
-            if (number == NULL) goto done;
-            unsigned long long key = PyLong_AsUnsignedLongLongMask(number) & MASK32;
-            Py_DECREF(number);
-            if (key == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-            unsigned long long low_rank = 0;
-            for (Py_ssize_t k = 0; k < n_tied && decided; k++) {
-                PyObject *h = PyDict_GetItemWithError(name_hash, PySequence_Fast_GET_ITEM(candidates, tied[k]));
-                if (h == NULL) {
-                    if (PyErr_Occurred()) goto done;
-                    decided = 0;  /* a name not hashed yet: Python hashes it */
-                    break;
-                }
-                unsigned long long value = PyLong_AsUnsignedLongLongMask(h);
-                if (value == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-                if (value == 0) {  /* as `get(name) or learn(name)`: Python's step */
+        } else {
+            if (!holding) {  /* the cache steps: tied replicas that would take in new content */
+                int rc = cache_steps(args[16], args[17], now, candidates, tied, &n_tied, n_blocks, &why);
+                if (rc < 0) goto done;
+                skip_cache = rc;  /* done here; else (declined) Python's steps run from the start */
+                decided = rc;
+                chosen = tied[0];
+            }
+            if (decided && n_tied > 1 && !n_blocks) {  /* a prompt shorter than a block caches nothing: turns */
+                PyObject *turn_obj = PyObject_GetAttr(args[17], s__turn);
+                if (turn_obj == NULL) goto done;
+                long long turn = PyLong_CheckExact(turn_obj) ? PyLong_AsLongLong(turn_obj) : -1;
+                Py_DECREF(turn_obj);
+                if (turn < 0 || turn == LLONG_MAX) {  /* not a small int: Python's step */
+                    PyErr_Clear();
                     decided = 0;
-                    break;
-                }
-                unsigned long long rank = ((value ^ key) * MIX32) & MASK32;
-                if (k == 0 || rank < low_rank) {
-                    low_rank = rank;
-                    chosen = tied[k];
+                } else {
+                    PyObject *next = PyLong_FromLongLong(turn + 1);
+                    if (next == NULL) goto done;
+                    int failed = PyObject_SetAttr(args[17], s__turn, next);
+                    Py_DECREF(next);
+                    if (failed) goto done;
+                    chosen = tied[(turn + 1) % n_tied];
+                    why = "rotation";
+                    n_tied = 1;
                 }
             }
-            why = "prefix hash";
-        } else {
-            decided = 0;
+            if (decided && n_tied > 1) {  /* rendezvous: the lowest rank of (name hash ^ a block's hash) */
+                PyObject *item = PySequence_GetItem(hashes, deepest < n_blocks - 1 ? deepest : n_blocks - 1);
+                if (item == NULL) goto done;
+                PyObject *number = PyNumber_Index(item);
+                Py_DECREF(item);
+                if (number == NULL) goto done;
+                unsigned long long key = PyLong_AsUnsignedLongLongMask(number) & MASK32;
+                Py_DECREF(number);
+                if (key == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+                unsigned long long low_rank = 0;
+                for (Py_ssize_t k = 0; k < n_tied && decided; k++) {
+                    PyObject *h = PyDict_GetItemWithError(name_hash, PySequence_Fast_GET_ITEM(candidates, tied[k]));
+                    if (h == NULL) {
+                        if (PyErr_Occurred()) goto done;
+                        decided = 0;  /* a name not hashed yet: Python hashes it */
+                        break;
+                    }
+                    unsigned long long value = PyLong_AsUnsignedLongLongMask(h);
+                    if (value == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+                    if (value == 0) {  /* as `get(name) or learn(name)`: Python's step */
+                        decided = 0;
+                        break;
+                    }
+                    unsigned long long rank = ((value ^ key) * MIX32) & MASK32;
+                    if (k == 0 || rank < low_rank) {
+                        low_rank = rank;
+                        chosen = tied[k];
+                    }
+                }
+                why = "prefix hash";
+            }
         }
         if (!decided) {
             tied_list = PyList_New(n_tied);
@@ -1068,7 +1364,7 @@ static PyObject *decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     out = Py_BuildValue("(nsOOOO)", chosen, why, scores_list, allowed ? allowed : Py_None,
-                        tied_list ? tied_list : Py_None, holding ? Py_True : Py_False);
+                        tied_list ? tied_list : Py_None, skip_cache ? Py_True : Py_False);
 done:
     if (matched != matched_small) {  /* more than SMALL candidates: allocated (or NULL) */
         PyMem_Free(matched);
@@ -1274,7 +1570,9 @@ static PyMethodDef methods[] = {
     {"finished", (PyCFunction)(void (*)(void))finished, METH_FASTCALL,
      "LoadTracker.on_finished's steps; None: not tracked yet."},
     {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
-     "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, holding)."},
+     "cache_aware's choice from the matches and loads: (chosen, why, scores, allowed, tied, skip_cache)."},
+    {"set_tie_constants", (PyCFunction)(void (*)(void))set_tie_constants, METH_FASTCALL,
+     "cache_aware's tie constants (routing/policies.py's): fill tolerance, fill spread bound, rebase halvings."},
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
     {"explain_cache_aware", (PyCFunction)(void (*)(void))explain_cache_aware, METH_FASTCALL,
      "explain() of a CacheAwareDecision, its reason worded here, as msgspec.Raw."},
@@ -1320,6 +1618,13 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s__why, "_why");
     INTERN(s__balance_factor, "_balance_factor");
     INTERN(s__shared_prefix, "_shared_prefix");
+    INTERN(s__index, "_index");
+    INTERN(s__capacities, "_capacities");
+    INTERN(s__counts, "_counts");
+    INTERN(s__new_blocks, "_new_blocks");
+    INTERN(s__turnover_origin, "_turnover_origin");
+    INTERN(s_turnover_half_life_s, "turnover_half_life_s");
+    INTERN(s__turn, "_turn");
 #undef INTERN
     PyObject *msgspec = PyImport_ImportModule("msgspec");
     if (msgspec == NULL) return NULL;

@@ -155,6 +155,9 @@ BRANCH_POINTS_KEPT = 1 << 16  # branch points remembered (LRU): ~100 bytes each
 _MIX32 = 0x9E37_79B1  # odd multiplier (2**32 / golden ratio): rendezvous ranks from (replica hash ^ prefix key)
 _MASK32 = (1 << 32) - 1
 _REBASE_HALVINGS = 64  # turnover's weights start again from 1 past 2 ** this (far from a float's range)
+if _native_decide is not None:  # the C tie steps read these, not copies of them
+    from routing._decision import set_tie_constants as _set_tie_constants
+    _set_tie_constants(FILL_TOLERANCE_PROMPTS, FILL_SPREAD_BELOW, float(_REBASE_HALVINGS))
 
 
 class CacheAwareDecision(msgspec.Struct, gc=False):
@@ -332,20 +335,21 @@ class CacheAware:
             shared_prefix = True
         if _native_decide is not None and NATIVE:
             # What follows, in one C call (routing/_decision.c decide: the same steps on the same
-            # doubles); a tie it leaves (the caches' fill and turnover, turns, a name not hashed
-            # yet) is broken below.
-            chosen, why, scores, allowed, tied, holding = _native_decide(
+            # doubles, a tie's cache steps included); a tie it leaves (a name not hashed
+            # yet, a table or state it declines to read) is broken below.
+            chosen, why, scores, allowed, tied, skip_cache = _native_decide(
                 matched, loads, delays, prompt_tokens, block, min_match, self.prefill_weight, self.queue_weight,
                 tracker, self.balance_factor, self.balance_slack, self.follow_slack, self.follow_abs_slack,
-                candidates, hashes, self._name_hash)
+                candidates, hashes, self._name_hash, table, self, now)
             if tied is not None:
-                chosen, why = self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding)
+                chosen, why = self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, skip_cache,
+                                                    now)
         else:
             # The candidates serve one model, which the gateway gives one prefill rate: scores stay
             # comparable (and ties exact) across them.
             per_token_s = self.prefill_weight / tracker.prefill_rate(candidates[0])
             chosen, why, scores, allowed = self._decide(candidates, hashes, matched, loads, delays, table,
-                                                        prompt_tokens, min_match, per_token_s, deepest)
+                                                        prompt_tokens, min_match, per_token_s, deepest, now)
         cached_tokens = matched[chosen] * block
         if cached_tokens > prompt_tokens:
             cached_tokens = prompt_tokens
@@ -353,7 +357,7 @@ class CacheAware:
                                   allowed, why, self.balance_factor, table, hashes, shared_prefix, estimates)
 
     def _decide(self, candidates, hashes, matched, loads, delays, table, prompt_tokens: int, min_match: int,
-                per_token_s: float, deepest: int) -> tuple[int, str, list[float], list[int] | None]:
+                per_token_s: float, deepest: int, now: float) -> tuple[int, str, list[float], list[int] | None]:
         """choose() once the matches and loads are known, in Python (the reference for the C
         call): (chosen index, why a tie went there, the scores, the indices the balance guard
         allows or None for all)."""
@@ -395,11 +399,11 @@ class CacheAware:
         # Tied replicas that all hold the whole prompt take in nothing new from it: where
         # their caches have room or turn over slowest does not matter, its hash decides.
         holding = bool(n_blocks) and min([matched[i] for i in tied]) == n_blocks
-        chosen, why = self._break_tie(candidates, tied, loads, table, hashes, deepest, n_blocks, holding)
+        chosen, why = self._break_tie(candidates, tied, loads, table, hashes, deepest, n_blocks, holding, now)
         return chosen, why, scores, allowed
 
     def _break_tie(self, candidates, tied: list[int], loads, table, hashes, deepest: int, n_blocks: int,
-                   holding: bool = False) -> tuple[int, str]:
+                   holding: bool, now: float) -> tuple[int, str]:
         """Among equally scored candidates: least loaded, then emptiest cache, then slowest cache
         turnover, then a rendezvous hash of the prompt's own first block (a new prefix lands on a
         stable, spread-out replica). `holding`: every tied candidate holds the whole prompt (no
@@ -410,16 +414,17 @@ class CacheAware:
             tied = [i for i, load in zip(tied, values) if load == low]
             if len(tied) == 1:
                 return tied[0], "least load"
-        return self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding)
+        return self._after_load_step(candidates, tied, table, hashes, deepest, n_blocks, holding, now)
 
     def _after_load_step(self, candidates, tied: list[int], table, hashes, deepest: int, n_blocks: int,
-                         holding: bool) -> tuple[int, str]:
+                         skip_cache: bool, now: float) -> tuple[int, str]:
         """_break_tie past its load step (where the C call leaves a tie): the cache steps unless
-        `holding`, then turns for a prompt shorter than a block, else the rendezvous hash of the
-        prompt's first block no replica holds (its last where all hold it)."""
+        `skip_cache` (every tied replica holds the whole prompt, or the C call took them), then
+        turns for a prompt shorter than a block, else the rendezvous hash of the prompt's first
+        block no replica holds (its last where all hold it)."""
         names = candidates if len(tied) == len(candidates) else [candidates[i] for i in tied]
-        if not holding:
-            tied, names, why = self._by_cache(candidates, tied, names, table, n_blocks)
+        if not skip_cache:
+            tied, names, why = self._by_cache(candidates, tied, names, table, n_blocks, now)
             if why:
                 return tied[0], why
         if not n_blocks:  # a prompt shorter than a block caches nothing: take turns
@@ -432,7 +437,8 @@ class CacheAware:
         ranks = [(((get(name) or learn(name)) ^ key) * _MIX32) & _MASK32 for name in names]
         return tied[ranks.index(min(ranks))], "prefix hash"
 
-    def _by_cache(self, candidates, tied: list[int], names, table, n_blocks: int) -> tuple[list[int], list, str]:
+    def _by_cache(self, candidates, tied: list[int], names, table, n_blocks: int,
+                  now: float) -> tuple[list[int], list, str]:
         """_break_tie's cache steps: (tied, their names, the reason when one is left, else "")."""
         values = table.fills(names)
         low = min(values)
@@ -449,7 +455,7 @@ class CacheAware:
         # already sees it (precise mode's events only confirm it). A prompt shorter than a block
         # adds nothing to any cache (and would not move the count: they would all pile up).
         if n_blocks:
-            values = self.turnover(names, table)
+            values = self.turnover(names, table, now)
             low = min(values)
             if max(values) > low:
                 tied = [i for i, share in zip(tied, values) if share == low]
@@ -458,14 +464,14 @@ class CacheAware:
                 names = [candidates[i] for i in tied]
         return tied, names, ""
 
-    def turnover(self, names: Sequence[str], table) -> list[float]:
+    def turnover(self, names: Sequence[str], table, now: float) -> list[float]:
         """Blocks new to each replica's cache of late (the table's count of blocks written for it,
         decayed with turnover_half_life_s), per block of its capacity, all times one common factor
         (only their order and ties are used): a block seen at t weighs 2 ** (t / half life) rather
         than every sum being decayed to now, which is the same ratio between replicas. Brought up
         to date for every replica of the table when asked (a tie among new content: most new
-        requests); what was written since the last ask counts as written now."""
-        now = self.state.clock()
+        requests); what was written since the last ask counts as written now (`now`: the
+        decision's clock). routing/_decision.c's cache steps do the same to the same state."""
         origin = self._turnover_origin
         if origin is None:
             origin = self._turnover_origin = now

@@ -426,16 +426,26 @@ def test_an_agents_own_history_steers_however_small_but_a_shared_prefix_does_not
 
 def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(monkeypatch):
     """Hot and new prefixes under Poisson load, scrapes of traffic from elsewhere, a learned
-    prefill rate: every decision (replica, scores, loads, matched blocks, the logged estimate) is
-    the same whether routing/_decision.c's loops or the Python ones made it."""
+    prefill rate, prompts shorter than a block, a clock that jumps past turnover's rebase: every
+    decision (replica, scores, loads, matched blocks, the logged estimate) is the same whether
+    routing/_decision.c's loops or the Python ones made it, and with C built no tie's cache step
+    runs in Python."""
     from routing import load, policies
 
     if load._native_loads_and_delays is None or policies._native_decide is None:
         pytest.skip("routing/_decision.c not built")
+    python_cache_steps = [0]
+    by_cache = policies.CacheAware._by_cache
+
+    def counted(self, *args):
+        python_cache_steps[0] += 1
+        return by_cache(self, *args)
+    monkeypatch.setattr(policies.CacheAware, "_by_cache", counted)
 
     def run(native: bool) -> list:
         monkeypatch.setattr(load, "NATIVE", native)
         monkeypatch.setattr(policies, "NATIVE", native)
+        python_cache_steps[0] = 0
         clock = Clock()
         state = _state(REPLICAS, clock)
         policy = make_policy("cache_aware", {}, state)
@@ -453,7 +463,18 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
             if n == 700:
                 for name in REPLICAS:
                     state.tracker.set_prefill_rate(name, 5000.0)
-            tokens = prompts[rng.randrange(4)] + [rng.randrange(50_000, 60_000) for _ in range(rng.randrange(1, 90))]
+            if n == 1100:  # past 64 turnover half lives: its sums start again from now
+                clock.now += 65 * policy.turnover_half_life_s
+            if n % 50 == 49:  # shorter than a block, on an idle pool: turns
+                clock.now += 2.0
+                while running:
+                    heapq.heappop(running)[2].finish(None, precise=False)
+                if n == 1299:  # a replica's cache dropped and re-added: its count of blocks written restarts
+                    state.table("m").remove_replica("r2")
+                    state.table("m").add_replica("r2", 10_000)
+                tokens = [rng.randrange(50_000, 60_000) for _ in range(rng.randrange(1, state.block_size))]
+            else:
+                tokens = prompts[rng.randrange(4)] + [rng.randrange(50_000, 60_000) for _ in range(rng.randrange(1, 90))]
             attempt = _route(policy, state, REPLICAS, _request(tokens))
             if rng.random() < 0.7:
                 attempt.first_token()
@@ -461,11 +482,14 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
             decision = attempt.decision
             seen.append((decision.replica, decision._scores, decision._loads, decision._matched,
                          decision.reason, msgspec.json.decode(decision.load_estimates)))
-        return seen
+        return seen, python_cache_steps[0], dict(policy._new_blocks), policy._turnover_origin, policy._turn
 
-    native, python = run(True), run(False)
+    (native, native_steps, *native_state), (python, python_steps, *python_state) = run(True), run(False)
     assert native == python
+    assert native_state == python_state  # turnover's sums and origin, the turns
+    assert native_steps == 0 and python_steps > 100, (native_steps, python_steps)
     assert len({replica for replica, *_ in native}) == len(REPLICAS)  # the traffic spread: every path ran
     reasons = " | ".join({reason for _, _, _, _, reason, _ in native})
-    for step in ("balance guard", "least load", "prefix hash", "emptiest cache"):  # the guard and every tie step
+    for step in ("balance guard", "least load", "prefix hash", "emptiest cache", "slowest cache turnover",
+                 "rotation"):  # the guard and every tie step
         assert step in reasons, reasons
