@@ -51,7 +51,7 @@ from bench.loadgen import (LoadgenProcess, Phase, PhaseResult, percentiles_ms, p
 from bench.routers import (RouterUnavailable, run_sglang_router, run_vllm_router, sglang_router_python,
                            vllm_router_python)
 from bench.stub_backend import StubProcess
-from replica.cpu_policy import POLICIES
+from replica.cpu_policy import POLICIES as CPU_POLICIES
 from tests.servers import ServerStartError, free_port, run_gateway, run_process
 
 STUBS = 4
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
     parser.add_argument("--window-s", type=float, default=3.0, help="open-loop window per router")
     parser.add_argument("--windows", type=int, default=3, help="open-loop windows per router and measurement")
-    parser.add_argument("--stub-cpu-policy", choices=POLICIES, default="normal",
+    parser.add_argument("--stub-cpu-policy", choices=CPU_POLICIES, default="normal",
                         help="the stubs' --cpu-policy: 'batch' keeps a woken stub from preempting the router "
                              "on the cores they share (a remote backend never does)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the kvgate configs here")
