@@ -310,7 +310,7 @@ class HotExchange(Exchange):
         gateway, a sidecar), the write wakes the client, but the scheduler lets the waker run on
         until its slice ends: the client reads its first byte only after the gateway's ~100 us
         of post-write work. One yield lets it read first (the bench's streamed TTFB added:
-        ~0.09 ms less at p50, bench/README "Twenty-eighth session"). Under load (another request
+        -0.01 to -0.19 ms at p50 in three A/B runs, bench/README "Twenty-eighth session"). Under load (another request
         in flight) it never yields, so it takes nothing from throughput; with nothing else
         runnable on the core, the call returns at once (~0.3 us)."""
         self._fresh = False
