@@ -303,16 +303,18 @@ class HotExchange(Exchange):
         self.conn.response_done(self.keep_alive)
 
     def _first_out(self, data: bytes) -> None:
-        """Send the response's first body bytes (a stream's first events); when this is the process's only request in flight, give
-        the core up once (sched_yield) before going on with the record, metrics and the connection.
+        """Send the response's first body bytes (a stream's first events); when this is the
+        process's only request in flight, give the core up once (sched_yield) before going on with
+        the record, metrics and the connection.
 
         Why: with the client on the same machine (`kvgate up` and its users, an agent beside its
-        gateway, a sidecar), the write wakes the client, but the scheduler lets the waker run on
-        until its slice ends: the client reads its first byte only after the gateway's ~100 us
-        of post-write work. One yield lets it read first (the bench's streamed TTFB added:
-        -0.01 to -0.19 ms at p50 in three A/B runs, bench/README "Twenty-eighth session"). Under load (another request
-        in flight) it never yields, so it takes nothing from throughput; with nothing else
-        runnable on the core, the call returns at once (~0.3 us)."""
+        gateway, a sidecar), the write wakes the client on the gateway's core (a socket's wake-up
+        is a "sync" one: the kernel expects the writer to sleep next), but the gateway runs on:
+        the client reads its first byte only after the gateway's ~100 us of post-write work. One
+        yield lets it read first (the bench's streamed TTFB added: -0.01 to -0.19 ms at p50 in
+        three A/B runs, bench/README "Twenty-eighth session"). Under load (another request in
+        flight) it never yields, so it takes nothing from throughput; with nothing else runnable
+        on the core, the call returns at once (~0.3 us)."""
         self._fresh = False
         self.conn.send(data)
         if LET_CLIENT_RUN and self.hot.proxy.active == 1:
