@@ -281,3 +281,22 @@ def test_only_a_replicas_compute_threads_are_capped():
     assert 0.05 < share[batch] < 0.3, share
     assert share[spin.pid] > 0.3, share  # the normal thread is not held to the cap (0.43 beside the suite)
     assert groups and not any(g.exists() for g in groups)
+
+
+def test_lone_stages_finds_every_stage_of_the_gateways_hot_path():
+    """bench.lone_stages wraps the hot path's methods by name in a real gateway: each step it
+    names must show up between a request's send and its first byte (a renamed method would
+    leave a step out, and the bench would silently measure less)."""
+    import re
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "bench.lone_stages", "--requests", "30", "--gap-ms", "1"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"TTFB p50: direct \d+ us, through kvgate \d+ us", out), out
+    for step in ("client sends -> read", "read -> serve", "serve -> up_write", "up_write -> up_written"):
+        assert step in out, out
+    assert "-> out" in out and "out -> client's first byte" in out, out
+    assert re.search(r"events in the replica's first read: \d+: \d+", out), out
