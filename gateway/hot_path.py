@@ -346,11 +346,9 @@ class HotExchange(Exchange):
         else:
             head = self._head_now(status, headers, framing, body if small else b"")
         try:
-            if small:
-                self._first_out(head)
-            else:
-                self.conn.send(head)
-                self._first_out(body)
+            self.conn.send(head)
+            if not small:
+                self.conn.send(body)
         except ClientGone:
             pass  # it hung up: nothing to answer (the record already has its outcome)
         self.conn.response_done(self.keep_alive)
