@@ -55,7 +55,9 @@ try:  # gateway/_http_head.c: a plain head in one C pass, ~10x cheaper than llht
     from gateway._http_head import parse as _plain_head, response_head as _native_response_head
 except ImportError:  # no C compiler at install: every head goes through llhttp, every answer's head Python
     _plain_head = _native_response_head = None
-LET_CLIENT_RUN = True  # False: no sched_yield after a lone request's first write (see HotExchange._first_out)
+# False: no sched_yield after a lone stream's first write (see HotExchange._first_out); off where
+# the OS has none.
+LET_CLIENT_RUN = hasattr(os, "sched_yield")
 NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two),
 # and every response head made in Python
 
@@ -303,18 +305,18 @@ class HotExchange(Exchange):
         self.conn.response_done(self.keep_alive)
 
     def _first_out(self, data: bytes) -> None:
-        """Send the response's first body bytes (a stream's first events); when this is the
-        process's only request in flight, give the core up once (sched_yield) before going on with
-        the record, metrics and the connection.
+        """Send a stream's first events; when this is the process's only request in flight, give
+        the core up once (sched_yield) before going on with the record, metrics and the connection.
 
         Why: with the client on the same machine (`kvgate up` and its users, an agent beside its
         gateway, a sidecar), the write wakes the client on the gateway's core (a socket's wake-up
         is a "sync" one: the kernel expects the writer to sleep next), but the gateway runs on:
         the client reads its first byte only after the gateway's ~100 us of post-write work. One
-        yield lets it read first (the bench's streamed TTFB added: -0.01 to -0.19 ms at p50 in
-        three A/B runs, bench/README "Twenty-eighth session"). Under load (another request in
-        flight) it never yields, so it takes nothing from throughput; with nothing else runnable
-        on the core, the call returns at once (~0.3 us)."""
+        yield lets it read first (the bench's streamed TTFB added: -0.01 to -0.19 ms at p50 in two
+        A/B runs, bench/README "Twenty-eighth session"). Under load (another request in flight) it
+        never yields, so it takes nothing from throughput; with nothing else runnable on the core,
+        the call returns at once (~0.3 us). Not after a whole (non-streamed) answer: there the
+        yield handed the core to a stub's turn with the record still to write, and the tails grew."""
         self._fresh = False
         self.conn.send(data)
         if LET_CLIENT_RUN and self.hot.proxy.active == 1:
