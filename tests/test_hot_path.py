@@ -216,6 +216,57 @@ def test_a_stream_head_held_for_events_that_carry_nothing_still_leaves_at_once(t
             assert b'" a"' in rest and b'" b"' in rest and b"[DONE]" in rest and b"token_ids" not in rest
 
 
+@pytest.mark.parametrize("asks", ["nothing", "token_ids", "usage"])
+def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole_and_in_order(asks, tmp_path):
+    """A replica that shares the gateway's cores often writes its whole answer before the gateway
+    reads (bench/README, "Twenty-eighth session"): the gateway's first read then holds every
+    event, and it sends the first on its own before taking the rest. The client must still get
+    exactly the replica's events in order, with token IDs and the usage chunk only if it asked,
+    and the record every output token ID."""
+    from aiohttp import web
+
+    texts, ids = [" a", " b", " c", " d"], [11, 12, 13, 14]
+
+    async def completions(request):
+        chunks = [{"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "whole",
+                   "choices": [{"index": 0, "text": text, "token_ids": [token],
+                                "finish_reason": "length" if i == len(texts) - 1 else None}]}
+                  for i, (text, token) in enumerate(zip(texts, ids))]
+        chunks.append({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "whole", "choices": [],
+                       "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        response._send_headers_immediately = False  # the head and every event in one write
+        await response.prepare(request)
+        await response.write(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+                             + b"data: [DONE]\n\n")
+        return response
+
+    extra = {"nothing": {}, "token_ids": {"return_token_ids": True},
+             "usage": {"stream_options": {"include_usage": True}}}[asks]
+    with openai_upstream("whole", completions) as upstream:
+        config, port = gateway_config_over(tmp_path, upstream, "whole")
+        with run_gateway(config, port) as server, socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            request_id = f"whole-{asks}"
+            sock.sendall(post("/v1/completions", {"model": "whole", "prompt": "hi", "max_tokens": 4, "stream": True,
+                                                  **extra}, request_id))
+            status, _headers, body = read_responses(sock, 1)[0]
+            record = Gateway(server, []).record(request_id)
+    assert status == 200
+    events = [line[6:] for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    with_choices = [chunk for chunk in chunks if chunk["choices"]]
+    assert [chunk["choices"][0]["text"] for chunk in with_choices] == texts
+    assert with_choices[-1]["choices"][0]["finish_reason"] == "length"
+    if asks == "token_ids":
+        assert [chunk["choices"][0]["token_ids"] for chunk in with_choices] == [[token] for token in ids]
+    else:
+        assert b"token_ids" not in body
+    usage = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    assert (usage[-1]["completion_tokens"] == 4) if asks == "usage" else not usage
+    assert record["status"] == 200 and record["output_token_ids"] == ids
+
+
 def test_a_client_that_reads_slowly_holds_back_the_replica_and_still_gets_all_of_its_stream(tmp_path):
     """The gateway relays a stream as it arrives; when the client does not read, the gateway stops
     reading from the replica (its memory stays bounded) instead of buffering the answer, and the
