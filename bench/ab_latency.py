@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.loadgen import LoadgenProcess, Phase, percentiles_ms, start_bench
-from bench.request_cost import REPO_ROOT, worktree
+from bench.request_cost import REPO_ROOT, gateway_argv, worktree
 from bench.stub_backend import StubProcess
 from bench.vs_routers import OUTPUT_TOKENS, POLICIES, STUBS, Settings, body, gateway_config, open_loop, pooled_ms
 from tests.servers import free_port, run_gateway
@@ -36,9 +36,7 @@ def start_gateway(stack: contextlib.ExitStack, tree: Path, directory: Path, poli
     directory.mkdir()
     port = free_port()
     config = gateway_config(directory, policy, stub_urls, port)
-    code = (f"import sys; sys.path.insert(0, {str(tree)!r}); from gateway.cli import main; "
-            f"sys.exit(main(['serve', '--config', {str(config)!r}]))")
-    return stack.enter_context(run_gateway(config, port, argv=[sys.executable, "-c", code])).url
+    return stack.enter_context(run_gateway(config, port, argv=gateway_argv(tree, config))).url
 
 
 def main(argv: list[str] | None = None) -> int:

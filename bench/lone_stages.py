@@ -40,6 +40,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.request_cost import REPO_ROOT, gateway_argv
 from bench.stub_backend import StubProcess
 from bench.vs_routers import OUTPUT_TOKENS, POLICIES, body, gateway_config
 from tests.servers import free_port, run_gateway
@@ -147,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         config = gateway_config(workdir, args.policy, [stub.url for stub in stubs[:args.stubs]], port)
         dump = workdir / "stages.json"
-        code = (f"import sys; STAGES_OUT = {str(dump)!r}; exec({_STAMPS!r}); from gateway.cli import main; "
-                f"sys.exit(main(['serve', '--config', {str(config)!r}]))")
-        gateway = stack.enter_context(run_gateway(config, port, argv=[sys.executable, "-c", code]))
+        argv = gateway_argv(REPO_ROOT, config, f"STAGES_OUT = {str(dump)!r}\n" + _STAMPS)
+        gateway = stack.enter_context(run_gateway(config, port, argv=argv))
         if args.pin:
             for stub in stubs:
                 pin(stub.process.pid, 1)

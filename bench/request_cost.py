@@ -131,6 +131,12 @@ async def send(port: int, workload: str, count: int, first_number: int, timeout_
     await asyncio.wait_for(asyncio.gather(*(connection(k) for k in range(CONNECTIONS))), timeout_s)
 
 
+def gateway_argv(tree: Path, config: Path, prelude: str = "") -> list[str]:
+    """The command that serves `config` with source tree `tree`'s gateway, `prelude` (Python
+    source) run first in its process."""
+    return [sys.executable, "-c", _LAUNCH.format(tree=str(tree), config=str(config), prelude=prelude)]
+
+
 @contextlib.contextmanager
 def counted_gateway(tree: Path, config: Path, port: int, counter: str, directory: Path):
     """The gateway of source tree `tree` on `port`, under the counter, once its replicas are ready;
@@ -139,7 +145,7 @@ def counted_gateway(tree: Path, config: Path, port: int, counter: str, directory
     by_line = os.environ.get("REQUEST_COST_BY_LINE") == "1"  # opcodes per source line, not per function
     prelude = (_OPCODES_PRELUDE.format(flag=str(flag), out=str(out), by_line=by_line) if counter == "opcodes"
                else "")
-    argv = [sys.executable, "-c", _LAUNCH.format(tree=str(tree), config=str(config), prelude=prelude)]
+    argv = gateway_argv(tree, config, prelude)
     if counter == "instructions":
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={directory / 'callgrind.out'}"] + argv
     with run_gateway(config, port, argv=argv, startup_timeout_s=READY_TIMEOUT_S,

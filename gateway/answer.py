@@ -95,11 +95,9 @@ class Answer(msgspec.Struct, eq=False):
         ask for them). `last`: the replica's answer ended with this read, so when it is complete
         the write waits for the stream's end to go out with it."""
         if not self._led:
-            self._led = True
-            if len(events) > 1 and self.spec.stream:
-                if lead := self._lead(events[0]):
-                    await self.exchange.write(lead)
-                events = events[1:]
+            lead, events = self._lead(events)
+            if lead:
+                await self.exchange.write(lead)
         out: list[bytes] = []
         try:
             self._take_events(events, out)
@@ -113,11 +111,9 @@ class Answer(msgspec.Struct, eq=False):
         client's buffer is full (drain first)."""
         full = False
         if not self._led:
-            self._led = True
-            if len(events) > 1 and self.spec.stream:
-                if lead := self._lead(events[0]):
-                    full = self.exchange.write_now(lead)
-                events = events[1:]
+            lead, events = self._lead(events)
+            if lead:
+                full = self.exchange.write_now(lead)
         out: list[bytes] = []
         try:
             self._take_events(events, out)
@@ -126,16 +122,20 @@ class Answer(msgspec.Struct, eq=False):
                 full = self.exchange.write_now(self._for_client(out)) or full
         return full
 
-    def _lead(self, first: bytes) -> bytes:
-        """The client's bytes of the first event of the answer's first read, when that read holds
-        more: they go out before the rest are decoded and recorded. A replica that shares the
-        gateway's cores often runs its whole turn before the gateway reads (its wake-up preempts
-        the gateway mid-write: bench/README, "Twenty-eighth session"), so the first read can hold
-        the whole answer; the client's first token then no longer waits for the other events'
-        work (18 events: 203 -> 117 us from the replica's bytes to the client's first write, on the bench's stub)."""
+    def _lead(self, events: list[bytes]) -> tuple[bytes, list[bytes]]:
+        """For the answer's first read: (the client's bytes of its first event, the events left)
+        when a stream's read holds more than one, so that the first goes out before the rest are
+        decoded and recorded; else (b"", events). A replica that shares the gateway's cores often
+        runs its whole turn before the gateway reads (its wake-up preempts the gateway mid-write:
+        bench/README, "Twenty-eighth session"), so the first read can hold the whole answer; the
+        client's first token then no longer waits for the other events' work (18 events: 203 ->
+        117 us from the replica's bytes to the client's first write, on the bench's stub)."""
+        self._led = True
+        if len(events) < 2 or not self.spec.stream:
+            return b"", events
         out: list[bytes] = []
-        self._take_events([first], out)
-        return self._for_client(out) if out else b""
+        self._take_events(events[:1], out)
+        return (self._for_client(out) if out else b""), events[1:]
 
     def _take_events(self, events: list[bytes], out: list[bytes]) -> None:
         try:
