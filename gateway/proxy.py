@@ -252,7 +252,7 @@ class Proxy:
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
                      loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
         echo_chars = 0
-        if getattr(parsed, "echo", False) and isinstance(parsed.prompt, str):
+        if not chat and parsed.echo and isinstance(parsed.prompt, str):  # a chat request has no echo
             echo_chars = len(parsed.prompt)
         spec = AnswerSpec(chat=chat, stream=parsed.stream, model=model,
                           wants_token_ids=bool(parsed.return_token_ids),

@@ -82,6 +82,11 @@ class RoutingDecision(msgspec.Struct, frozen=True):
     scores: dict[str, float] = {}            # lower is better; seconds for cache_aware
     predicted_cached_tokens: int = 0
     inner: Any = None              # the wrapped policy's own decision (session_affinity's fallback)
+    # Class attributes, not fields: what the record's writer asks every decision for (routing_json,
+    # gateway/router.py _estimates). Found, not missed: a missed getattr formats an AttributeError
+    # message (~2,000 instructions) on every request.
+    load_estimates = None
+    explain_json = None
 
     def as_log(self) -> dict:
         return decision_log(self)
