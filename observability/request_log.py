@@ -9,10 +9,11 @@ from array import array
 from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET
 import structlog
 import xxhash
 
-from observability.logs import json_sink
+from observability.logs import json_sink, struct_fields
 
 TokenIdPolicy = Literal["full", "hashed", "off"]
 
@@ -95,46 +96,85 @@ class RequestRecord(msgspec.Struct, eq=False):
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         return end - self.started_s
 
-    def as_fields(self, token_ids: TokenIdPolicy, routing_json: bool = False) -> dict:
-        """The record's fields; `routing_json`: the routing field as JSON ready for msgspec's encoder
-        where the try can write it so (RoutedAttempt.log_json), not a dict."""
+    def as_fields(self, token_ids: TokenIdPolicy) -> dict:
+        """The record's fields by name (structlog's keyword arguments)."""
+        return struct_fields(self.as_line(token_ids))
+
+    def as_line(self, token_ids: TokenIdPolicy, routing_json: bool = False) -> "RecordLine":
+        """The record as its log line; `routing_json`: the routing field as JSON ready for msgspec's
+        encoder where the try can write it so (RoutedAttempt.log_json), not a dict."""
         first, started, itl, routed = self.first_token_s, self.started_s, self.itl_s, self.routed_s
         routing = self.routing
         if routing is not None and routing.__class__ is not dict:
             routing = routing.log_json() if routing_json and hasattr(routing, "log_json") else routing.log
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
-        fields = {
-            "request_id": self.request_id, "model": self.model, "replica": self.replica,
-            "endpoint": self.endpoint, "stream": self.stream, "status": self.status,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "routed_ms": None if routed is None else ms(routed - started),
-            "ttft_ms": None if first is None else ms(first - started),
-            "e2e_ms": ms(end - started),
-            "itl_mean_ms": ms(sum(itl) / len(itl)) if itl else None,
-            "itl_max_ms": ms(max(itl)) if itl else None,
-            "finish_reason": self.finish_reason, "routing": routing,
-        }
+        line = RecordLine(
+            request_id=self.request_id, model=self.model, replica=self.replica,
+            endpoint=self.endpoint, stream=self.stream, status=self.status,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            routed_ms=None if routed is None else ms(routed - started),
+            ttft_ms=None if first is None else ms(first - started),
+            e2e_ms=ms(end - started),
+            itl_mean_ms=ms(sum(itl) / len(itl)) if itl else None,
+            itl_max_ms=ms(max(itl)) if itl else None,
+            finish_reason=self.finish_reason, routing=routing)
         if self.key is not None:
-            fields["key"], fields["tenant"] = self.key, self.tenant
+            line.key, line.tenant = self.key, self.tenant
         if self.error is not None:
-            fields["error"] = self.error
+            line.error = self.error
         if self.failover:
-            fields["failover"] = self.failover
+            line.failover = self.failover
         if self.failed_after_headers:
-            fields["failed_after_headers"] = True
+            line.failed_after_headers = True
         if self.pd is not None:
-            fields["pd"] = self.pd
+            line.pd = self.pd
         if self.panic_routing:
-            fields["panic_routing"] = True
-        prompt_ids = self.prompt_token_ids
+            line.panic_routing = True
         if token_ids == "full":
-            fields["prompt_token_ids"] = prompt_ids
-            fields["output_token_ids"] = self.output_token_ids
+            line.prompt_token_ids = self.prompt_token_ids
+            line.output_token_ids = self.output_token_ids
         elif token_ids == "hashed":
-            fields["prompt_token_ids"] = None if prompt_ids is None else hashed_ids(prompt_ids)
-            fields["output_token_ids"] = hashed_ids(self.output_token_ids)
-        return fields
+            prompt_ids = self.prompt_token_ids
+            line.prompt_token_ids = None if prompt_ids is None else hashed_ids(prompt_ids)
+            line.output_token_ids = hashed_ids(self.output_token_ids)
+        return line
+
+
+class RecordLine(msgspec.Struct, kw_only=True, gc=False):
+    """A request record's log line, its keys in this order; a field left UNSET is left out. A
+    Struct, not a dict: made in C from keywords, and encoded with its keys written once for the
+    class (a dict's keys are checked and escaped on every line). `event` to `worker`: the JSON
+    sink's (observability/logs.py JsonSink.line), set as it writes the line."""
+    event: Any = UNSET
+    level: Any = UNSET
+    timestamp: Any = UNSET
+    worker: Any = UNSET
+    request_id: Any
+    model: Any
+    replica: Any
+    endpoint: Any
+    stream: Any
+    status: Any
+    prompt_tokens: Any
+    completion_tokens: Any
+    cached_tokens: Any
+    routed_ms: Any
+    ttft_ms: Any
+    e2e_ms: Any
+    itl_mean_ms: Any
+    itl_max_ms: Any
+    finish_reason: Any
+    routing: Any
+    key: Any = UNSET
+    tenant: Any = UNSET
+    error: Any = UNSET
+    failover: Any = UNSET
+    failed_after_headers: Any = UNSET
+    pd: Any = UNSET
+    panic_routing: Any = UNSET
+    prompt_token_ids: Any = UNSET
+    output_token_ids: Any = UNSET
 
 
 class RequestLog:
@@ -157,7 +197,7 @@ class RequestLog:
             record.finished_s = time.perf_counter()
         sink = None if self._own_logger else json_sink()
         if sink is not None:
-            sink.info("request", record.as_fields(self.token_ids, routing_json=True))
+            sink.line("request", record.as_line(self.token_ids, routing_json=True))
         else:
             self._log.info("request", **record.as_fields(self.token_ids))
         return True

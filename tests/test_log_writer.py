@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -88,3 +89,51 @@ structlog.get_logger("t").info("after", n=500)
         first = lines[0]
         assert list(first)[:3] == ["event", "level", "timestamp"] and first["timestamp"].endswith("Z")
         assert first["worker"] == 3 and first["prompt_token_ids"] == [1, 2, 0] and first["output_token_ids"] == [7, 8]
+
+
+def test_a_records_json_line_has_the_fields_structlog_would_write_whatever_is_set_and_bound(tmp_path):
+    """The JSON sink writes a record from its line Struct (no dict); structlog's own chain, given
+    the same record as keyword arguments, is the reference: the same keys and values, whichever
+    optional fields are set, token-ID policy and context (none, the worker's number, more)."""
+    code = """
+import json, structlog
+from observability.logs import configure_logging
+from observability.request_log import RequestLog, RequestRecord
+configure_logging("info", "json")
+def record(n, rich):
+    r = RequestRecord(f"r{n}", "/v1/chat/completions", 10.0)
+    r.prompt_token_ids = [1, 2, n]
+    r.tokens_arrived([7, 8], 10.5, 2)
+    r.routed_s, r.finished_s, r.finish_reason, r.model, r.replica = 10.25, 11.0, "stop", "m", "a"
+    if rich:
+        r.key, r.tenant, r.pd, r.failed_after_headers, r.panic_routing = "k1", "t1", {"prefill": "p"}, True, True
+        r.add_failover("b", 1, "stalled")
+        r.fail(502, "gone")
+    return r
+n = 0
+for context in ({}, {"worker": 3}, {"worker": 3, "session": "s"}):
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**context)
+    for policy in ("full", "hashed", "off"):
+        for rich in (False, True):
+            RequestLog(policy).emit(record(n, rich))
+            RequestLog(policy, structlog.get_logger("kvgate.request")).emit(record(n, rich))
+            n += 1
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) == 36
+    for ours, reference in zip(lines[::2], lines[1::2]):
+        assert list(ours)[:3] == ["event", "level", "timestamp"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", ours.pop("timestamp"))
+        reference.pop("timestamp")
+        assert ours == reference
+    assert lines[0]["e2e_ms"] == 1000.0 and lines[0]["routed_ms"] == 250.0 and "key" not in lines[0]
+    rich = lines[2]
+    assert rich["failover"] == [{"replica": "b", "after_tokens": 1, "reason": "stalled"}]
+    assert (rich["status"], rich["error"], rich["key"], rich["tenant"], rich["pd"]) == (502, "gone", "k1", "t1",
+                                                                                      {"prefill": "p"})
+    assert rich["failed_after_headers"] is rich["panic_routing"] is True
+    assert lines[4]["prompt_token_ids"].endswith(":3") and "output_token_ids" not in lines[8]
+    assert lines[12]["worker"] == 3 and lines[24]["session"] == "s"
