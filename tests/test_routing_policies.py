@@ -77,6 +77,26 @@ def test_the_routing_field_written_in_c_reads_as_the_dict_it_replaces(name):
             assert msgspec.json.decode(written) == msgspec.json.decode(msgspec.json.encode(expected))
 
 
+def test_a_routing_field_written_once_and_reused_is_each_decisions_own():
+    """round_robin's routing field (no numbers in it) is written once per distinct decision and
+    then reused: every record still reads as its own decision's dict, whichever of policy, reason,
+    replica, candidates, predicted cached tokens and mode differs from the one before."""
+    pytest.importorskip("routing._decision")
+    from routing.policy import RoutingDecision, routing_json
+    lists = [("r0", "r1", "r2"), ("r0", "r1"), ("r1", "r0", "r2")]
+    for _ in range(2):  # the second pass reads what the first wrote
+        for candidates in lists:
+            for turn, replica in enumerate(candidates):
+                for policy, reason, predicted in (("round_robin", f"turn {turn + 1} of {len(candidates)}", 0),
+                                                  ("random", "uniform", 0), ("round_robin", "turn 1 of 3", 16)):
+                    decision = RoutingDecision(replica, policy, reason, candidates, predicted_cached_tokens=predicted)
+                    for mode in ("approximate", "precise"):
+                        expected = decision.as_log() | {"mode": mode}
+                        assert msgspec.json.decode(routing_json(decision, mode, None, None)) == expected
+                        retried = routing_json(decision, mode, None, ["r9"])  # a retry: not the shared line
+                        assert msgspec.json.decode(retried) == expected | {"retried_after": ["r9"]}
+
+
 def test_cache_aware_reasons_written_in_c_read_as_the_property_words_them():
     """explain_cache_aware words the reason in C: every branch of CacheAwareDecision.reason (its
     reference), with names and tie reasons that need escaping."""
