@@ -15,4 +15,6 @@ setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"
                    Extension("gateway._http_head", ["gateway/_http_head.c"], optional=True,
                              extra_compile_args=["-O2"]),
                    Extension("protocol._strip_ids", ["protocol/_strip_ids.c"], optional=True,
+                             extra_compile_args=["-O2"]),
+                   Extension("tokenization._word_split", ["tokenization/_word_split.c"], optional=True,
                              extra_compile_args=["-O2"])])

@@ -65,6 +65,27 @@ def test_ascii_text_takes_the_faster_split_with_the_tokenizers_own_ids():
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
 
 
+def test_the_c_split_of_ascii_text_is_the_patterns_findall():
+    """tokenization/_word_split.c cuts ASCII text as the standard library's findall of the GPT-2
+    split's ASCII form: every character, runs of spaces before words, at the end and before a
+    lone newline, contractions and apostrophes that start none; and the tiny model's encoder
+    takes it."""
+    split = pytest.importorskip("tokenization._word_split").split
+    import re
+    from tokenization.word_encoder import ASCII_BYTE_LEVEL_PATTERN
+    findall = re.compile(ASCII_BYTE_LEVEL_PATTERN).findall
+    alphabet = [chr(code) for code in range(128)] + list("   \n\n\t'sdtmrevl") * 4
+    rng = random.Random(7)
+    for _ in range(20_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30)))
+        assert split(text) == findall(text), repr(text)
+    for text in ("", " ", "a  b", "a  ", "  \nb", "'s 's ''s x'll 'LL 're'", "\x0b\x1c x", "12ab!? ."):
+        assert split(text) == findall(text), repr(text)
+    with pytest.raises(ValueError):
+        split("na\u00efve")
+    assert WordEncoder.for_tokenizer(tiny())._ascii_findall is split
+
+
 @pytest.mark.parametrize("pre", [
     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),   # no word split at all
     pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True),     # a space added at the start

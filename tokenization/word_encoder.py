@@ -25,6 +25,11 @@ import threading
 import regex
 import tokenizers
 
+try:  # tokenization/_word_split.c: ASCII_BYTE_LEVEL_PATTERN's findall in one pass
+    from tokenization._word_split import split as _native_split
+except ImportError:  # built without a C compiler: `re` splits
+    _native_split = None
+
 # The pattern `tokenizers`' ByteLevel pre-tokenizer splits on when use_regex is true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The same split for ASCII text, in the standard library's `re` (about twice as fast as `regex`
@@ -72,9 +77,12 @@ class WordEncoder:
         self._findall = regex.compile(pattern).findall
         self._ascii_findall = None  # the faster split of ASCII text, where one agrees with `pattern`
         if pattern == BYTE_LEVEL_PATTERN:
-            ascii_findall = re.compile(ASCII_BYTE_LEVEL_PATTERN).findall
-            if _ascii_agrees(self._findall, ascii_findall):
-                self._ascii_findall = ascii_findall
+            # tokenization/_word_split.c first (~6x faster than `re` on ASCII text), `re` where
+            # the C module was not built or disagrees.
+            for ascii_findall in (_native_split, re.compile(ASCII_BYTE_LEVEL_PATTERN).findall):
+                if ascii_findall is not None and _ascii_agrees(self._findall, ascii_findall):
+                    self._ascii_findall = ascii_findall
+                    break
         self._words: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         model = tokenizer.model
