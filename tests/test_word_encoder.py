@@ -36,8 +36,20 @@ def with_pre_tokenizer(pre) -> Tokenizer:
     return tokenizer
 
 
+@pytest.fixture(params=["c", "python"])
+def natives(request, monkeypatch):
+    """Each test that asks runs with tokenization/_word_split.c and with the Python it replaces."""
+    import tokenization.word_encoder as word_encoder
+    if request.param == "python":
+        monkeypatch.setattr(word_encoder, "_native_split", None)
+        monkeypatch.setattr(word_encoder, "_native_ids", None)
+    elif word_encoder._native_split is None:
+        pytest.skip("tokenization/_word_split.c was not built (no C compiler at install)")
+    return request.param
+
+
 @pytest.mark.parametrize("split", ["byte_level", "llama3", "qwen2"])
-def test_word_by_word_ids_are_the_tokenizers_own(split):
+def test_word_by_word_ids_are_the_tokenizers_own(split, natives):
     if split == "byte_level":
         tokenizer = tiny()
     else:
@@ -52,9 +64,10 @@ def test_word_by_word_ids_are_the_tokenizers_own(split):
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
 
 
-def test_ascii_text_takes_the_faster_split_with_the_tokenizers_own_ids():
-    """ASCII text is split by the standard library's `re` (the GPT-2 split's ASCII form): the same
-    IDs as the tokenizer on every kind of ASCII piece, control characters included."""
+def test_ascii_text_takes_the_faster_split_with_the_tokenizers_own_ids(natives):
+    """ASCII text is split by tokenization/_word_split.c, or the standard library's `re` (the GPT-2
+    split's ASCII form): the same IDs as the tokenizer on every kind of ASCII piece, control
+    characters included."""
     tokenizer = tiny()
     encoder = WordEncoder.for_tokenizer(tokenizer)
     assert encoder._ascii_findall is not None

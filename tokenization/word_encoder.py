@@ -26,9 +26,10 @@ import regex
 import tokenizers
 
 try:  # tokenization/_word_split.c: ASCII_BYTE_LEVEL_PATTERN's findall in one pass
+    from tokenization._word_split import ids as _native_ids
     from tokenization._word_split import split as _native_split
-except ImportError:  # built without a C compiler: `re` splits
-    _native_split = None
+except ImportError:  # built without a C compiler: `re` splits, Python puts the IDs together
+    _native_ids = _native_split = None
 
 # The pattern `tokenizers`' ByteLevel pre-tokenizer splits on when use_regex is true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -106,6 +107,8 @@ class WordEncoder:
 
     def encode(self, text: str) -> list[int]:
         words = self._ascii_findall(text) if self._ascii_findall is not None and text.isascii() else self._findall(text)
+        if _native_ids is not None:
+            return _native_ids(words, self._words, self._learn)
         get = self._words.get
         ids: list[int] = []
         for word in words:
