@@ -284,10 +284,7 @@ class HotExchange(Exchange):
         conn = self.conn
         if self._held:
             chunk, self._held = self._held + chunk, b""
-        if self._fresh:
-            self._first_out(chunk)
-        else:
-            conn.send(chunk)
+        self._send(chunk)
         return conn.write_paused
 
     async def drain(self) -> None:
@@ -295,15 +292,21 @@ class HotExchange(Exchange):
 
     async def close_stream(self, last: bytes = b"") -> None:
         held, self._held = self._held, b""
-        send = self._first_out if self._fresh else self.conn.send
         if last:  # the final events and the end in one write (one syscall, one segment)
-            send(b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(last), last))
+            self._send(b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(last), last))
         else:
             try:
-                send(held + b"0\r\n\r\n")
+                self._send(held + b"0\r\n\r\n")
             except ClientGone:
                 pass
         self.conn.response_done(self.keep_alive)
+
+    def _send(self, data: bytes) -> None:
+        """Send stream bytes: the first through _first_out."""
+        if self._fresh:
+            self._first_out(data)
+        else:
+            self.conn.send(data)
 
     def _first_out(self, data: bytes) -> None:
         """Send a stream's first events; when this is the process's only request in flight, give
@@ -335,7 +338,7 @@ class HotExchange(Exchange):
         held, self._held = self._held, b""
         if held:
             try:
-                self._first_out(held) if self._fresh else self.conn.send(held)
+                self._send(held)
             except ClientGone:
                 pass  # its next write says so
 
