@@ -46,6 +46,8 @@ class Phase:
     timeout_s: float = 30.0        # per request
     cpu_pids: list[int] = field(default_factory=list)  # processes whose CPU time to sample around the phase
     bodies: list[dict] = field(default_factory=list)   # if set: request i sends bodies[i % len(bodies)]
+    urls: list[str] = field(default_factory=list)      # if set: request i goes to urls[i % len(urls)]
+                                                       # (a client spreading its own requests over backends)
 
 
 @dataclass
@@ -184,12 +186,13 @@ async def run_phase(phase: Phase) -> PhaseResult:
 async def _open_loop(session, phase: Phase, payloads: list[bytes], stream: bool, timeout, start: float,
                      deadline_s: float) -> list[RequestResult]:
     tasks = []
+    urls = phase.urls or [phase.url]
     for index, offset in enumerate(arrival_offsets_s(phase.rate_rps, phase.duration_s, phase.arrivals, phase.seed)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(_send(session, phase.url, payloads[index % len(payloads)], stream,
-                                                 timeout, offset, start)))
+        tasks.append(asyncio.ensure_future(_send(session, urls[index % len(urls)], payloads[index % len(payloads)],
+                                                 stream, timeout, offset, start)))
     remaining = max(0.1, start + deadline_s - time.perf_counter())
     done, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
     for task in pending:
@@ -203,13 +206,14 @@ async def _closed_loop(session, phase: Phase, payloads: list[bytes], stream: boo
     results: list[RequestResult] = []
     next_index = 0
 
+    urls = phase.urls or [phase.url]
+
     async def worker():
         nonlocal next_index
         while next_index < count and time.perf_counter() - start < deadline_s:
-            payload = payloads[next_index % len(payloads)]
+            payload, url = payloads[next_index % len(payloads)], urls[next_index % len(urls)]
             next_index += 1
-            results.append(await _send(session, phase.url, payload, stream, timeout,
-                                       time.perf_counter() - start, start))
+            results.append(await _send(session, url, payload, stream, timeout, time.perf_counter() - start, start))
 
     workers = [asyncio.ensure_future(worker()) for _ in range(max(1, phase.concurrency))]
     try:

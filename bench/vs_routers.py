@@ -17,9 +17,14 @@ router written in Python pays before its own work.
    issue's table), and a different prompt every request (no tokenizer cache hit, new prefix
    blocks for the cache-aware routers every time).
 2. Added latency at 200 req/s, open loop (Poisson), non-streamed requests: router percentile -
-   the same schedule sent straight to a stub, in alternating windows (every router and the stub
-   once per round, rotating order).
-3. Streaming time to first byte added, the same way with stream=true.
+   the same schedule sent straight to the stubs by the client, taking them in turn, in
+   alternating windows (every router and each baseline once per round, rotating order). The
+   client spreads its requests over the 4 stubs as a pool gets them without a router: sent all
+   to one stub, the baseline would leave out what spreading costs every router (a stub that
+   slept through the last 3 requests answers its next one later; bench/lone_stages.py --stubs
+   1 against 4: ~0.47 ms of round_robin's TTFB). The one-stub baseline is run and printed too.
+3. Streaming time to first byte added, the same way with stream=true (and over one stub, a
+   column of its own).
 
     .venv/bin/python -m bench.vs_routers            # ~6 min
     .venv/bin/python -m bench.vs_routers --quick    # ~2 min: the machinery, rougher figures
@@ -105,6 +110,20 @@ class Router:
     def sys_us_per_request(self, workload: str) -> float:
         served = self.served[workload]
         return self.sys_s[workload] / served * 1e6 if served else float("nan")
+
+
+@dataclass
+class Direct:
+    """A baseline without a router: the open-loop client sends to `urls` itself, in turn."""
+    name: str
+    urls: list[str]
+    latency: list[PhaseResult] = field(default_factory=list)
+    ttfb: list[PhaseResult] = field(default_factory=list)
+
+    def percentiles_ms(self) -> tuple[dict, dict]:
+        """(latency, TTFB) p50 and p99 in ms over its windows."""
+        return (percentiles_ms(pooled_ms(self.latency, "latency")[0], (50, 99)),
+                percentiles_ms(pooled_ms(self.ttfb, "ttfb")[0], (50, 99)))
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -212,10 +231,11 @@ def check_stubs(stub_urls: list[str], after: str, say=None, recovery_s: float = 
             say(f"stub {url} answered again {waited:.0f} s after {after}")
 
 
-def open_loop(url: str, stream: bool, settings: Settings, seed: int, loadgen: LoadgenProcess) -> PhaseResult:
-    return loadgen.run(Phase(name=url, url=url + "/v1/completions", body=body(stream), mode="open",
+def open_loop(urls: list[str], stream: bool, settings: Settings, seed: int, loadgen: LoadgenProcess) -> PhaseResult:
+    """The open-loop schedule to `urls` (a router's, or the stubs' with the client taking them in turn)."""
+    return loadgen.run(Phase(name=urls[0], url=urls[0] + "/v1/completions", body=body(stream), mode="open",
                              rate_rps=settings.rate_rps, duration_s=settings.window_s, arrivals="poisson",
-                             seed=seed, timeout_s=10.0))
+                             seed=seed, timeout_s=10.0, urls=[url + "/v1/completions" for url in urls]))
 
 
 # ---- routers ---------------------------------------------------------------------------------
@@ -293,21 +313,22 @@ def interpreter_build() -> str:
     return f"{os.path.realpath(sys.executable)} (Python {sys.version.split()[0]}, {linked})"
 
 
-def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb: list[PhaseResult],
-           settings: Settings, missing: list[str]) -> list[str]:
+def report(routers: list[Router], direct: dict[str, Direct], settings: Settings, missing: list[str]) -> list[str]:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=max(Console().width, 150))
-    d_lat = percentiles_ms(pooled_ms(direct_latency, "latency")[0], (50, 99))
-    d_ttfb = percentiles_ms(pooled_ms(direct_ttfb, "ttfb")[0], (50, 99))
+    # "Added" is over the stubs taken in turn (the same spread of backends, no router); the TTFB
+    # added over one stub is printed too (the issue's first table measured against one backend).
+    d_lat, d_ttfb = direct["turns"].percentiles_ms()
+    one_ttfb = direct["one"].percentiles_ms()[1]
     table = Table(title=f"{STUBS} instant stubs ({OUTPUT_TOKENS} tokens), one run; saturation: "
                         f"{settings.connections} in flight, {settings.rounds} x {settings.saturation_s:g} s per router "
                         f"(fixed prompt); open loop {settings.rate_rps:g} req/s, {settings.windows} x "
                         f"{settings.window_s:g} s windows per router")
     for column in ("router", "CPU us/req (fixed prompt)", "of it system", "req/s", "CPU us/req (unique prompts)",
                    "added p50 / p99 ms @rate", "latency p50 / p99 ms", "TTFB p50 / p99 ms",
-                   "TTFB added p50 / p99 ms", "failed"):
+                   "TTFB added p50 / p99 ms", "TTFB added p50 ms over one stub", "failed"):
         table.add_column(column, justify="left" if column == "router" else "right")
     figures: dict[str, dict] = {}
     for router in routers:
@@ -320,14 +341,17 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
         figures[router.name] = {"cpu": router.cpu_us_per_request("fixed"), "sys": router.sys_us_per_request("fixed"),
                                 "cpu_unique": router.cpu_us_per_request("unique"),
                                 "added_p50": lat[50] - d_lat[50], "added_p99": lat[99] - d_lat[99],
-                                "ttfb_added_p50": ttfb[50] - d_ttfb[50], "ttfb_added_p99": ttfb[99] - d_ttfb[99]}
+                                "ttfb_added_p50": ttfb[50] - d_ttfb[50], "ttfb_added_p99": ttfb[99] - d_ttfb[99],
+                                "ttfb_added_one_p50": ttfb[50] - one_ttfb[50]}
         f = figures[router.name]
         table.add_row(router.name, fmt(f["cpu"], 0), fmt(f["sys"], 0), fmt(rps, 0), fmt(f["cpu_unique"], 0),
                       f"{fmt(f['added_p50'])} / {fmt(f['added_p99'])}", f"{fmt(lat[50])} / {fmt(lat[99])}",
                       f"{fmt(ttfb[50])} / {fmt(ttfb[99])}", f"{fmt(f['ttfb_added_p50'])} / {fmt(f['ttfb_added_p99'])}",
-                      str(failed))
-    table.add_row("direct to a stub", "-", "-", "-", "-", "-", f"{fmt(d_lat[50])} / {fmt(d_lat[99])}",
-                  f"{fmt(d_ttfb[50])} / {fmt(d_ttfb[99])}", "-", "")
+                      fmt(f["ttfb_added_one_p50"]), str(failed))
+    for baseline in direct.values():
+        lat, first = baseline.percentiles_ms()
+        table.add_row(baseline.name, "-", "-", "-", "-", "-", f"{fmt(lat[50])} / {fmt(lat[99])}",
+                      f"{fmt(first[50])} / {fmt(first[99])}", "-", "-", "")
     console.print(table)
     console.print("CPU us/req: the router process's CPU time (user + system, children included) over the "
                   "saturation phases / requests answered 200; 'of it system' is the kernel's part (the "
@@ -352,6 +376,7 @@ def report(routers: list[Router], direct_latency: list[PhaseResult], direct_ttfb
         lines.append(_target(f"kvgate_{policy}_ttfb_added_p50_ms", ours["ttfb_added_p50"], "<=", TTFB_GOAL_MS, 2))
     for name, f in figures.items():
         key = name.replace(" ", "_").replace("-", "_")
+        lines.append(f"figure {key}_ttfb_added_p50_ms_over_one_stub: {fmt(f['ttfb_added_one_p50'])}")
         lines.append(f"figure {key}_cpu_us_per_request_unique_prompts: {fmt(f['cpu_unique'], 0)}")
         lines.append(f"figure {key}_system_cpu_us_per_request: {fmt(f['sys'], 0)}")
         if not name.startswith("kvgate"):
@@ -435,25 +460,27 @@ def main(argv: list[str] | None = None) -> int:
                 check_stubs(stub_urls, f"{router.name}'s unique-prompt phase", progress)
                 progress(f"unique prompts: {router.name} {router.cpu_us_per_request('unique'):.0f} us/req")
 
-        direct_latency: list[PhaseResult] = []
-        direct_ttfb: list[PhaseResult] = []
-        targets = [("direct", stub_urls[0])] + [(router, router.url) for router in routers]
+        # Two baselines without a router: every request to one stub (a lone hot backend), and the
+        # client taking the 4 stubs in turn (the spread a pool of backends gets without a router,
+        # and what round_robin gives each stub: a stub that has slept through 3 requests answers
+        # later than one that answered the last).
+        direct: dict[str, Direct] = {"one": Direct("direct to one stub", stub_urls[:1]),
+                                     "turns": Direct(f"direct to the {len(stub_urls)} stubs in turn", stub_urls)}
+        targets = list(direct.values()) + routers
         for stream in (False, True):
             for window in range(settings.windows):
                 shift = window % len(targets)
-                for target, url in targets[shift:] + targets[:shift]:
-                    result = open_loop(url, stream, settings, seed=100 + window, loadgen=loadgen)
-                    if target == "direct":
-                        (direct_ttfb if stream else direct_latency).append(result)
-                    else:
-                        (target.ttfb if stream else target.latency).append(result)
+                for target in targets[shift:] + targets[:shift]:
+                    urls = target.urls if isinstance(target, Direct) else [target.url]
+                    result = open_loop(urls, stream, settings, seed=100 + window, loadgen=loadgen)
+                    (target.ttfb if stream else target.latency).append(result)
                 progress(f"open loop {'stream' if stream else 'non-stream'} window {window + 1}/{settings.windows}")
         if args.keep_logs:
             destination = Path(args.keep_logs)
             destination.mkdir(parents=True, exist_ok=True)
             for path in workdir.glob("*.yaml"):
                 shutil.copy(path, destination / path.name)
-        lines = report(routers, direct_latency, direct_ttfb, settings, missing)
+        lines = report(routers, direct, settings, missing)
     print(f"total {time.monotonic() - started:.0f} s")
     for line in lines:
         print(line)

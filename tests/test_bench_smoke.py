@@ -13,6 +13,7 @@ import pytest
 
 from bench.loadgen import Phase, run_phase, summary
 from bench.stub_backend import StubProcess
+from tests.servers import free_port
 from tokenization.bundle import TokenizerBundle
 
 
@@ -130,6 +131,20 @@ def test_loadgen_open_loop_records_every_request(stub):
     assert len(result.results) == 19  # evenly spaced, t < 0.4 s
     assert all(r.status == 200 and r.ttfb_s is not None and r.ttfb_s <= r.latency_s for r in result.results)
     assert summary(result)["errors"] == 0
+
+
+def test_loadgen_takes_its_urls_in_turn(stub):
+    """vs_routers' baseline without a router: the client spreads its requests over the backends
+    itself, request i to urls[i % n] (here every other one to a port nobody listens on)."""
+    body = {"model": "stub", "prompt": "Hello", "max_tokens": 2}
+    dead = f"http://127.0.0.1:{free_port()}/v1/completions"
+    for mode in ("open", "closed"):
+        phase = Phase(name="turns", url=stub.url + "/v1/completions", body=body, mode=mode, rate_rps=50,
+                      duration_s=0.2, arrivals="fixed", concurrency=1, count=6, timeout_s=10,
+                      urls=[stub.url + "/v1/completions", dead])
+        results = sorted(asyncio.run(run_phase(phase)).results, key=lambda r: r.scheduled_s)
+        assert len(results) >= 6
+        assert [r.status for r in results] == [200, 0] * (len(results) // 2) + [200] * (len(results) % 2)
 
 
 def test_every_bench_script_runs_the_way_the_readmes_show():
