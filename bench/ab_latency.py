@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             for window in range(args.windows):
                 shift = window % len(targets)
                 for name, url in targets[shift:] + targets[:shift]:
-                    results[(name, stream)].append(open_loop(url, stream, settings, seed=100 + window, loadgen=loadgen))
+                    results[(name, stream)].append(open_loop([url], stream, settings, seed=100 + window,
+                                                                loadgen=loadgen))
                 progress(f"{'stream' if stream else 'non-stream'} window {window + 1}/{args.windows}")
     print(f"total {time.monotonic() - started:.0f} s, {args.rate:.0f} req/s open loop, {args.windows} windows of "
           f"{args.window_s:g} s per target")

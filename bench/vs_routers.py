@@ -100,6 +100,10 @@ class Router:
     latency: list[PhaseResult] = field(default_factory=list)
     ttfb: list[PhaseResult] = field(default_factory=list)
 
+    @property
+    def urls(self) -> list[str]:
+        return [self.url]
+
     def pids(self) -> list[int]:
         return process_tree(self.pid)
 
@@ -471,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             for window in range(settings.windows):
                 shift = window % len(targets)
                 for target in targets[shift:] + targets[:shift]:
-                    urls = target.urls if isinstance(target, Direct) else [target.url]
-                    result = open_loop(urls, stream, settings, seed=100 + window, loadgen=loadgen)
+                    result = open_loop(target.urls, stream, settings, seed=100 + window, loadgen=loadgen)
                     (target.ttfb if stream else target.latency).append(result)
                 progress(f"open loop {'stream' if stream else 'non-stream'} window {window + 1}/{settings.windows}")
         if args.keep_logs:
