@@ -99,6 +99,7 @@ class Router:
     wall_s: dict[str, float] = field(default_factory=lambda: {"fixed": 0.0, "unique": 0.0})
     latency: list[PhaseResult] = field(default_factory=list)
     ttfb: list[PhaseResult] = field(default_factory=list)
+    streams: bool = True  # False: it serves no streams (the lean router): no TTFB phases, "nan" in their columns
 
     @property
     def urls(self) -> list[str]:
@@ -264,14 +265,22 @@ def start_routers(stack: contextlib.ExitStack, directory: Path, stub_urls: list[
             port = free_port()
             server = stack.enter_context(run_gateway(gateway_config(directory, policy, stub_urls, port), port))
             routers.append(Router(f"kvgate {policy}", "kvgate", policy, server.url, server.proc.pid))
-    if "floor" in wanted:  # the reference: what a Python router cannot go below on this machine
+    for family, module, label, health, extra in (
+            # the references: what a Python router cannot go below on this machine, and what the
+            # work kvgate must do on a request costs in lean Python
+            ("floor", "bench.floor_proxy", "python floor (byte pipe)", "/v1/models", []),
+            ("lean", "bench.lean_router", "python lean router", "/health",
+             ["--log-file", str(directory / "lean-router.jsonl")])):
+        if family not in wanted:
+            continue
         port = free_port()
-        argv = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port)]
+        argv = [sys.executable, "-m", module, "--port", str(port), *extra]
         for url in stub_urls:
             argv += ["--backend", url]
-        server = stack.enter_context(run_process(argv, f"http://127.0.0.1:{port}/v1/models", port=port,
-                                                 name="floor-proxy"))
-        routers.append(Router("python floor (byte pipe)", "floor", "per connection", server.url, server.proc.pid))
+        server = stack.enter_context(run_process(argv, f"http://127.0.0.1:{port}{health}", port=port,
+                                                 name=module.split(".")[1]))
+        routers.append(Router(label, family, "per connection" if family == "floor" else "round_robin",
+                              server.url, server.proc.pid, streams=family == "floor"))
     for family, installer, runner in (("sglang-router", sglang_router_python, run_sglang_router),
                                       ("vllm-router", vllm_router_python, run_vllm_router)):
         if family.split("-")[0] not in wanted:
@@ -361,7 +370,7 @@ def report(routers: list[Router], direct: dict[str, Direct], settings: Settings,
                   "saturation phases / requests answered 200; 'of it system' is the kernel's part (the "
                   "sockets' syscalls, which every router pays alike). The stubs, the load generator and every other "
                   f"router share the machine's {os.cpu_count()} cores; compare within this run only.")
-    console.print(f"kvgate and the byte pipe ran on {interpreter_build()}: the build moves a Python router's CPU "
+    console.print(f"kvgate, the byte pipe and the lean router ran on {interpreter_build()}: the build moves a Python router's CPU "
                   "(bench/README.md: pyenv's 3.11.7, libpython shared and built without PGO, cost 17-20% more a "
                   "request than Debian's 3.11.2).")
     for line in missing:
@@ -378,6 +387,11 @@ def report(routers: list[Router], direct: dict[str, Direct], settings: Settings,
             lines.append(_target(f"kvgate_{policy}_cpu_us_per_request", ours["cpu"], "<=", goal, 0))
             lines.append(_target(f"kvgate_{policy}_added_p50_ms", ours["added_p50"], "<=", theirs["added_p50"], 2))
         lines.append(_target(f"kvgate_{policy}_ttfb_added_p50_ms", ours["ttfb_added_p50"], "<=", TTFB_GOAL_MS, 2))
+    lean = figures.get("python lean router")
+    for policy in POLICIES:
+        if lean is not None and f"kvgate {policy}" in figures:  # what kvgate's layers and features cost over the essentials
+            lines.append(f"figure kvgate_{policy}_cpu_us_per_request_over_lean_router: "
+                         f"{fmt(figures[f'kvgate {policy}']['cpu'] - lean['cpu'], 0)}")
     for name, f in figures.items():
         key = name.replace(" ", "_").replace("-", "_")
         lines.append(f"figure {key}_ttfb_added_p50_ms_over_one_stub: {fmt(f['ttfb_added_one_p50'])}")
@@ -399,9 +413,10 @@ def _target(name: str, value: float, op: str, goal: float, digits: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvgate's hot path against sglang-router and vllm-router.")
     parser.add_argument("--quick", action="store_true", help="one short round of everything (~2 min)")
-    parser.add_argument("--routers", default="kvgate,sglang,vllm,floor",
-                        help="comma-separated: kvgate,sglang,vllm,floor (floor: bench/floor_proxy.py, a uvloop "
-                             "byte pipe, what any Python router costs at least)")
+    parser.add_argument("--routers", default="kvgate,sglang,vllm,floor,lean",
+                        help="comma-separated: kvgate,sglang,vllm,floor,lean (floor: bench/floor_proxy.py, a uvloop "
+                             "byte pipe, what any Python router costs at least; lean: bench/lean_router.py, the "
+                             "work a kvgate round_robin request must do in lean Python, non-streamed only)")
     parser.add_argument("--saturation-s", type=float, default=8.0, help="seconds per saturation phase")
     parser.add_argument("--rounds", type=int, default=3, help="saturation rounds per router (fixed prompt)")
     parser.add_argument("--connections", type=int, default=64, help="closed-loop connections (wrk -c)")
@@ -445,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         for router in routers:  # warm every path: pools, caches, JIT-less but cold code
             loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=body(False), mode="closed",
                               concurrency=16, count=400, timeout_s=10.0))
-            loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=body(True), mode="closed",
-                              concurrency=8, count=100, timeout_s=10.0))
+            if router.streams:
+                loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=body(True), mode="closed",
+                                  concurrency=8, count=100, timeout_s=10.0))
         progress("warmed up")
 
         offset = int(time.time()) % 1_000_000 * 1000
@@ -470,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         # later than one that answered the last).
         direct: dict[str, Direct] = {"one": Direct("direct to one stub", stub_urls[:1]),
                                      "turns": Direct(f"direct to the {len(stub_urls)} stubs in turn", stub_urls)}
-        targets = list(direct.values()) + routers
         for stream in (False, True):
+            targets = list(direct.values()) + [router for router in routers if router.streams or not stream]
             for window in range(settings.windows):
                 shift = window % len(targets)
                 for target in targets[shift:] + targets[:shift]:

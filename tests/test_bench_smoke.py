@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -145,6 +146,34 @@ def test_loadgen_takes_its_urls_in_turn(stub):
         results = sorted(asyncio.run(run_phase(phase)).results, key=lambda r: r.scheduled_s)
         assert len(results) >= 6
         assert [r.status for r in results] == [200, 0] * (len(results) // 2) + [200] * (len(results) % 2)
+
+
+def test_the_lean_router_relays_a_completion_and_logs_its_token_ids(stub, tmp_path):
+    """vs_routers' lean reference does the work it is said to do: the stub's answer reaches the
+    client without the token IDs it did not ask for, and one record per request carries both ID
+    lists, the prompt's as the stub counted them."""
+    from tests.servers import run_process
+
+    port, log = free_port(), tmp_path / "lean.jsonl"
+    argv = [sys.executable, "-m", "bench.lean_router", "--port", str(port), "--backend", stub.url,
+            "--log-file", str(log)]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="lean-router"):
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=10) as lean:
+            answers = [lean.completions.create(model="stub", prompt=f"Hello number {i}", max_tokens=3)
+                       for i in range(3)]
+        direct = urllib.request.urlopen(urllib.request.Request(
+            stub.url + "/v1/completions", data=json.dumps(
+                {"model": "stub", "prompt": "Hello number 2", "max_tokens": 3, "return_token_ids": True}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=10)
+        expected = json.loads(direct.read())
+    assert [a.choices[0].finish_reason for a in answers] == ["length"] * 3
+    assert "token_ids" not in answers[2].choices[0].model_dump_json()
+    records = [json.loads(line) for line in log.read_text().splitlines()]  # stopped: every line written
+    assert len(records) == 3 and all(r["event"] == "request" and r["status"] == 200 for r in records)
+    assert records[2]["prompt_token_ids"] == expected["choices"][0]["prompt_token_ids"]
+    assert records[2]["output_token_ids"] == expected["choices"][0]["token_ids"]
+    assert answers[2].choices[0].text == expected["choices"][0]["text"]
 
 
 def test_every_bench_script_runs_the_way_the_readmes_show():
