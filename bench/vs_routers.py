@@ -8,7 +8,10 @@ dependencies) with round_robin and cache_aware. A router that cannot be installe
 is named with the reason, and no row or target is printed for it. A reference row, "python floor":
 bench/floor_proxy.py, a uvloop byte pipe (each client connection piped to the next stub in turn, no
 HTTP parsing): what the event loop and the socket calls of a relayed request cost here, which any
-router written in Python pays before its own work.
+router written in Python pays before its own work. Another, "python lean router":
+bench/lean_router.py, the work a kvgate round_robin request cannot skip (head, body, cached
+tokenization, token IDs, kept-alive upstream, answer, one record with both ID lists) in lean
+Python, non-streamed only: kvgate's CPU over it is what its layers and features cost.
 
 1. CPU per request at saturation: wrk -t1 -c64 (or, without wrk, bench/loadgen.py's closed loop
    in its own process) for `--saturation-s` per round, routers in a rotating order each round;
