@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -174,6 +175,34 @@ def test_the_lean_router_relays_a_completion_and_logs_its_token_ids(stub, tmp_pa
     assert records[2]["prompt_token_ids"] == expected["choices"][0]["prompt_token_ids"]
     assert records[2]["output_token_ids"] == expected["choices"][0]["token_ids"]
     assert answers[2].choices[0].text == expected["choices"][0]["text"]
+
+
+def test_the_layers_bench_lean_path_goes_through_the_gateways_own_parts(stub, tmp_path):
+    """bench/layers.py's second listener serves through the gateway's router, upstream client and
+    request log: the answer comes back and the gateway writes the request's one record, with its
+    routing explanation and token IDs, as it does for its own path."""
+    from bench.vs_routers import gateway_config
+    from tests.servers import run_process
+
+    port, lean_port = free_port(), free_port()
+    config = gateway_config(tmp_path, "cache_aware", [stub.url], port)
+    argv = [sys.executable, "-m", "bench.layers", "--serve", str(config), "--lean-port", str(lean_port)]
+    with run_process(argv, f"http://127.0.0.1:{port}/health", port=port, name="layers") as server:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{lean_port}/v1", api_key="unused", max_retries=0,
+                           timeout=10) as lean:
+            response = lean.completions.with_raw_response.create(model="stub", prompt="Hello there", max_tokens=3)
+        request_id = response.headers["x-request-id"]
+        assert response.parse().choices[0].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while request_id not in server.logs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records = [json.loads(line) for line in server.logs().splitlines()
+                   if line.startswith("{") and request_id in line]
+    assert len(records) == 1, records
+    record = records[0]
+    assert record["event"] == "request" and record["status"] == 200 and record["replica"] == "stub-0"
+    assert record["routing"]["policy"] == "cache_aware" and record["routing"]["chosen"] == "stub-0"
+    assert len(record["output_token_ids"]) == 3 and record["prompt_token_ids"]
 
 
 def test_every_bench_script_runs_the_way_the_readmes_show():
