@@ -38,13 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.hot_path import _response_head
+from bench.lean_router import _Client, answer_client
 from gateway.limits import new_request_id
 from gateway.prompts import prompt_ids_now
 from gateway.proxy import _with_token_ids
 from observability.request_log import RequestRecord
 from protocol.requests import decode_completion
-from protocol.stream_chunks import decode_answer, strip_token_ids
 
 UPSTREAM_DEADLINE_S = 600.0  # the lean path's deadline for one upstream answer
 
@@ -81,18 +80,9 @@ class LeanOverParts:
                 upstream.release()
                 attempt.prefill_sample = False  # the whole answer came at once, as in the proxy
                 attempt.first_token()
-                reply = decode_answer(answer)
-                out = strip_token_ids(answer)
-                client.transport.write(_response_head(200, {"Content-Type": "application/json",
-                                                            "x-request-id": record.request_id},
-                                                      f"Content-Length: {len(out)}", False, out))
+                answer_client(client, record, answer)
                 pool.report(replica, ok=True)
-                choice = reply.choices[0]
-                record.output_token_ids = list(choice.token_ids or ())
-                record.finish_reason = choice.finish_reason
-                record.completion_tokens = len(record.output_token_ids)
-                details = reply.usage.prompt_tokens_details if reply.usage is not None else None
-                record.cached_tokens = attempt.cached_tokens = details.cached_tokens if details is not None else None
+                attempt.cached_tokens = record.cached_tokens
         finally:
             proxy.request_log.emit(record)
             proxy.metrics.observe_request(
@@ -103,7 +93,6 @@ class LeanOverParts:
 def serve_with_lean_listener(config_path: str, lean_port: int) -> int:
     """`kvgate serve --config config_path`, with the lean path listening on lean_port too."""
     import gateway.server as server
-    from bench.lean_router import _Client
     from gateway.cli import main as kvgate_main
 
     build_app = server.build_app

@@ -25,7 +25,6 @@ import asyncio
 import signal
 import socket
 import time
-from datetime import datetime, timezone
 from collections import deque
 from urllib.parse import urlsplit
 
@@ -35,15 +34,12 @@ from gateway._http_head import parse as parse_head, parse_response
 from gateway.hot_path import _response_head
 from gateway.proxy import _with_token_ids
 from observability.log_writer import LogWriter
-from observability.logs import LogFile
+from observability.logs import JsonSink, LogFile
 from observability.request_log import RequestRecord
 from protocol.requests import decode_completion
 from protocol.stream_chunks import decode_answer, strip_token_ids
 from tokenization import TokenizerBundle
 from tokenization.token_cache import token_cache
-import msgspec
-
-_encode = msgspec.json.Encoder().encode
 
 
 class _Upstream(asyncio.Protocol):
@@ -154,13 +150,27 @@ class _Client(asyncio.Protocol):
             self._next()
 
 
+def answer_client(client: _Client, record: RequestRecord, answer: bytes) -> None:
+    """A replica's whole answer to the client, without the token IDs it did not ask for, and
+    what the record keeps of it (output IDs, finish reason, cached tokens)."""
+    reply = decode_answer(answer)
+    out = strip_token_ids(answer)
+    client.transport.write(_response_head(200, {"Content-Type": "application/json", "x-request-id": record.request_id},
+                                          f"Content-Length: {len(out)}", False, out))
+    choice = reply.choices[0]
+    record.output_token_ids = list(choice.token_ids or ())
+    record.finish_reason = choice.finish_reason
+    record.completion_tokens = len(record.output_token_ids)
+    details = reply.usage.prompt_tokens_details if reply.usage is not None else None
+    record.cached_tokens = details.cached_tokens if details is not None else None
+
+
 class LeanRouter:
     def __init__(self, backends: list[_Backend], bundle: TokenizerBundle, writer: LogWriter) -> None:
         self.backends = backends
         self.turn = 0
-        self.bundle = bundle
         self.cache = token_cache(bundle)
-        self.writer = writer
+        self.sink = JsonSink(writer)  # the gateway's JSON sink: the same line, event, level and time stamp
         self.loop = asyncio.get_running_loop()
         self.count = 0
 
@@ -177,20 +187,9 @@ class LeanRouter:
         record.replica = backend.host + ":" + str(backend.port)
         record.routed_s = time.perf_counter()
         status, _headers, answer = await backend.post(_with_token_ids(body))
-        reply = decode_answer(answer)
-        out = strip_token_ids(answer)
-        client.transport.write(_response_head(200, {"Content-Type": "application/json", "x-request-id": record.request_id},
-                                              f"Content-Length: {len(out)}", False, out))
-        choice = reply.choices[0]
-        record.output_token_ids = list(choice.token_ids or ())
-        record.finish_reason = choice.finish_reason
-        record.completion_tokens = len(record.output_token_ids)
-        details = reply.usage.prompt_tokens_details if reply.usage is not None else None
-        record.cached_tokens = details.cached_tokens if details is not None else None
+        answer_client(client, record, answer)
         record.first_token_s = record.finished_s = time.perf_counter()
-        line = record.as_line("full")
-        line.event, line.level, line.timestamp = "request", "info", datetime.now(timezone.utc)
-        self.writer.write(_encode(line))
+        self.sink.line("request", record.as_line("full"))
 
 
 async def serve(port: int, backends: list[str], log_file: str) -> None:

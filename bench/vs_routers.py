@@ -268,11 +268,11 @@ def start_routers(stack: contextlib.ExitStack, directory: Path, stub_urls: list[
             port = free_port()
             server = stack.enter_context(run_gateway(gateway_config(directory, policy, stub_urls, port), port))
             routers.append(Router(f"kvgate {policy}", "kvgate", policy, server.url, server.proc.pid))
-    for family, module, label, health, extra in (
+    for family, module, label, policy, streams, health, extra in (
             # the references: what a Python router cannot go below on this machine, and what the
             # work kvgate must do on a request costs in lean Python
-            ("floor", "bench.floor_proxy", "python floor (byte pipe)", "/v1/models", []),
-            ("lean", "bench.lean_router", "python lean router", "/health",
+            ("floor", "bench.floor_proxy", "python floor (byte pipe)", "per connection", True, "/v1/models", []),
+            ("lean", "bench.lean_router", "python lean router", "round_robin", False, "/health",
              ["--log-file", str(directory / "lean-router.jsonl")])):
         if family not in wanted:
             continue
@@ -282,8 +282,7 @@ def start_routers(stack: contextlib.ExitStack, directory: Path, stub_urls: list[
             argv += ["--backend", url]
         server = stack.enter_context(run_process(argv, f"http://127.0.0.1:{port}{health}", port=port,
                                                  name=module.split(".")[1]))
-        routers.append(Router(label, family, "per connection" if family == "floor" else "round_robin",
-                              server.url, server.proc.pid, streams=family == "floor"))
+        routers.append(Router(label, family, policy, server.url, server.proc.pid, streams=streams))
     for family, installer, runner in (("sglang-router", sglang_router_python, run_sglang_router),
                                       ("vllm-router", vllm_router_python, run_vllm_router)):
         if family.split("-")[0] not in wanted:
