@@ -7,7 +7,7 @@ straight to a stub, then through a kvgate gateway over `--stubs` stubs (vs_route
 CLOCK_MONOTONIC in every process, so the client's and the gateway's stamps share one clock):
 
     read        the client's request bytes reach the gateway (HotProtocol.data_received)
-    serve       the request parsed, the front door's steps begin (HotPath.serve)
+    serve       the request parsed, the front door's steps begin (HotPath.start)
     up_write    the request to the replica is written (the write() call starts)
     up_written  ... and returns: a replica on the same core that preempts the gateway mid-write
                 holds this for its whole turn
@@ -70,11 +70,7 @@ def _upstream_read(self, data):
     stamps.append(("n%d" % data.count(b"data:"), now))
     return _received(self, data)
 client._Connection.data_received = _upstream_read
-_serve = hot.HotPath.serve
-async def _stamped_serve(self, *args, **kwargs):
-    stamps.append(("serve", stamp()))
-    return await _serve(self, *args, **kwargs)
-hot.HotPath.serve = _stamped_serve
+_wrap(hot.HotPath, "start", "serve")
 def _dump(*_):
     with open(STAGES_OUT, "w") as out:
         json.dump(stamps, out)

@@ -87,8 +87,8 @@ class KeyPolicy:
 
 class Grant:
     """What one request may do: its key (None: keys are off) and the limits in force. The proxy
-    calls `admit` once it knows the model and the prompt's length; the front door calls `settle`
-    when the request is over, and puts `headers()` on the response."""
+    calls `admit` once it knows the model and the prompt's length, and `settle` when the request
+    is over; the front door puts `headers()` on the response."""
     __slots__ = ("key", "limits", "record", "reserved_tokens")
 
     def __init__(self, key: KeyPolicy | None, limits: LimitsSection) -> None:
@@ -116,7 +116,8 @@ class Grant:
             if key.spec.max_tokens is not None:
                 _cap_max_tokens(parsed, raw, key.spec.max_tokens)
         prompt_tokens = record.prompt_tokens or 0
-        limit = _smallest(self.limits.max_prompt_tokens, key.spec.max_prompt_tokens if key else None)
+        limit = self.limits.max_prompt_tokens if key is None else _smallest(self.limits.max_prompt_tokens,
+                                                                           key.spec.max_prompt_tokens)
         if limit is not None and prompt_tokens > limit:
             param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
             raise BadRequest(f"The prompt has {prompt_tokens} tokens; at most {limit} are allowed"

@@ -70,10 +70,7 @@ class FrontDoor:
                     await read_body(request, self.guard)
             except APIError as err:
                 return self._refused(request, request_id, err, grant.key.name if grant.key else None)
-            try:
-                return await handler(request)
-            finally:
-                grant.settle()
+            return await handler(request)  # the proxy settles the grant's tokens/min when it is done
         if path.startswith("/admin/") or (path == "/metrics" and self.gate.metrics_need_admin):
             self.gate.check_admin(request)
         if request.method == "POST":

@@ -34,6 +34,7 @@ import socket
 import time
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Coroutine
 
 import msgspec
 import httptools
@@ -100,9 +101,11 @@ class HotPath:
             return None
         return cls(app, door)
 
-    async def serve(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict, body: bytes,
-                    keep_alive: bool, arrived_s: float | None = None) -> None:
-        """One request, through the front door's steps (gateway/front_door.py, in its order).
+    def start(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict, body: bytes,
+              keep_alive: bool, arrived_s: float | None = None) -> Coroutine:
+        """One request through the front door's steps (gateway/front_door.py, in its order), and
+        what its task is to run: the proxy's handle(), or the refusal. Plain calls up to there, so
+        the proxy's coroutine is the task's own (a coroutine layer less on every request).
         `arrived_s` (perf_counter): when its last byte was read; its record's times count from
         there, so they include the wait for the loop behind the requests that came with it."""
         endpoint, decode = _ENDPOINTS[target]
@@ -114,25 +117,31 @@ class HotPath:
         try:
             grant = door.gate.authenticate(request)
         except APIError as err:
-            await self.refuse(exchange, endpoint, err)
-            return
+            return self.refuse(exchange, endpoint, err)
         request[GRANT] = exchange.grant = grant
         try:
             door._check_session_key(request)
-            limits = door.guard.limits
             if len(body) > _CHUNK:  # the exact scan of a big body takes up to ~0.3 s: not on the loop
-                await asyncio.get_running_loop().run_in_executor(
-                    None, check_json_shape, body, limits.max_json_depth, limits.max_json_containers)
-            else:
-                check_json_shape(body, limits.max_json_depth, limits.max_json_containers)
+                return self._big(exchange, endpoint, decode, body)
+            limits = door.guard.limits
+            check_json_shape(body, limits.max_json_depth, limits.max_json_containers)
         except APIError as err:
+            return self.refuse(exchange, endpoint, err, grant.key.name if grant.key else None)
+        exchange.body_bytes = body
+        return self.proxy.handle(exchange, endpoint, decode)
+
+    async def _big(self, exchange: "HotExchange", endpoint: str, decode, body: bytes) -> None:
+        """start()'s JSON shape check for a body over _CHUNK, in a thread; then the proxy."""
+        limits = self.door.guard.limits
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, check_json_shape, body, limits.max_json_depth, limits.max_json_containers)
+        except APIError as err:
+            grant = exchange.grant
             await self.refuse(exchange, endpoint, err, grant.key.name if grant.key else None)
             return
         exchange.body_bytes = body
-        try:
-            await self.proxy.handle(exchange, endpoint, decode)
-        finally:
-            grant.settle()
+        await self.proxy.handle(exchange, endpoint, decode)
 
     async def refuse(self, exchange: "HotExchange", path: str, err: APIError, key: str | None = None) -> None:
         """What FrontDoor._refused does: the request's one record, its metrics, the error."""
@@ -565,7 +574,7 @@ class HotProtocol(asyncio.Protocol):
         self._buffer = buffer[body_at + length:]
         # asyncio.Task with a name, not loop.create_task: Python 3.11 formats a "Task-N" name for
         # a task made without one (~1,800 instructions a request, a sprintf).
-        task = self._task = asyncio.Task(self._hot.serve(self, target, headers, body, keep_alive, time.perf_counter()),
+        task = self._task = asyncio.Task(self._hot.start(self, target, headers, body, keep_alive, time.perf_counter()),
                                          loop=self.loop, name=_TASK_NAME)
         task.add_done_callback(self._request_done)
 

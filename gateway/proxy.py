@@ -81,6 +81,7 @@ class _Plan(msgspec.Struct, eq=False):
     pd: PDState | None       # set when the model is served by prefill/decode pools
     ttft_timeout_s: float
     inter_token_timeout_s: float
+    max_new_tokens: int | None  # what the client asked for (requested_max_tokens)
     _hashes: Any = None
 
     @property
@@ -143,14 +144,25 @@ class Proxy:
     # ---- one request, one record ----------------------------------------------------------------
 
     async def handle(self, exchange: Exchange, endpoint: str, decode: Callable[[bytes], AnyRequest]) -> None:
-        """Serve one request into `exchange`; emits its one record whatever happens."""
+        """Serve one request into `exchange`; emits its one record whatever happens, and settles
+        the grant's tokens/min charge. One coroutine down to the tries: the steps before them are
+        plain calls (a coroutine layer is ~2 us a request at this rate: bench/README)."""
         request_id = exchange.request_id
         record = RequestRecord(request_id, endpoint, exchange.arrived_s)
         reply_headers = {"x-request-id": request_id}
         self.active += 1
         try:
             try:
-                await self._serve(exchange, record, decode, reply_headers)
+                body = exchange.body_bytes  # the hot path's, read already (None: aiohttp's request reads it)
+                if body is None:
+                    body = await exchange.body()
+                parsed, candidates = self._parse(record, body, decode)
+                bundle = candidates[0].tokenizer
+                prompt_ids, pending = prompt_ids_now(parsed, bundle)
+                if prompt_ids is None:  # much new text: tokenized after a few loop turns, or off the loop
+                    prompt_ids = await prompt_token_ids(parsed, bundle, pending)
+                plan, answer = self._plan(exchange, record, parsed, body, candidates, prompt_ids, reply_headers)
+                await self._tries(exchange, record, plan, answer)
             except msgspec.DecodeError as exc:
                 raise from_decode_error(exc) from None
         except APIError as err:
@@ -171,6 +183,7 @@ class Proxy:
                                reply_headers, record)
         finally:
             self.active -= 1
+            exchange.grant.settle()
             self.request_log.emit(record)
             self.metrics.observe_request(
                 replica=record.replica, status=record.status, ttft_s=record.ttft_s, itl_s=record.itl_s,
@@ -188,10 +201,8 @@ class Proxy:
         except ClientGone:
             pass
 
-    async def _serve(self, exchange: Exchange, record: RequestRecord, decode, reply_headers: dict) -> None:
-        body = exchange.body_bytes  # the hot path's, read already (None: aiohttp's request reads it)
-        if body is None:
-            body = await exchange.body()
+    def _parse(self, record: RequestRecord, body: bytes, decode) -> tuple[AnyRequest, tuple[ReplicaState, ...]]:
+        """The decoded request and its model's candidate replicas (the record learns the model)."""
         parsed = decode(body)  # proves the body is a JSON object
         record.stream = parsed.stream
         model = parsed.model
@@ -201,17 +212,19 @@ class Proxy:
         if not candidates:
             model = self._resolve_model(model)
             candidates = self.pool.candidates(model)
+            if not candidates:
+                record.model = model
+                raise Unavailable(f"No healthy replica serving `{model}`.", retry_after_s=1)
         record.model = model
-        if not candidates:
-            raise Unavailable(f"No healthy replica serving `{model}`.", retry_after_s=1)
         if self.pool.panicking and model in self.pool.panicking:
             record.panic_routing = True
             self.metrics.panic_routed.labels(model=model).inc()
+        return parsed, candidates
 
-        bundle = candidates[0].tokenizer
-        prompt_ids, pending = prompt_ids_now(parsed, bundle)
-        if prompt_ids is None:  # much new text: tokenized after a few loop turns, or off the loop
-            prompt_ids = await prompt_token_ids(parsed, bundle, pending)
+    def _plan(self, exchange: Exchange, record: RequestRecord, parsed: AnyRequest, body: bytes,
+              candidates: tuple[ReplicaState, ...], prompt_ids: list[int], reply_headers: dict) -> tuple:
+        """(the request's _Plan, its Answer): what every try reuses, once the prompt's IDs are known."""
+        model = record.model
         record.prompt_token_ids = prompt_ids
         record.prompt_tokens = len(prompt_ids)
         # ---- auth hook (gateway/auth.py): the caller's key applies its model list, tenant cache_salt,
@@ -219,9 +232,10 @@ class Proxy:
         grant = exchange.grant
         raw = None if grant.key is None else _decode_json(body)  # the replica's copy, when a key edits it
         grant.admit(parsed, raw, record)
-        self._check_context(parsed, prompt_ids, candidates)
+        chat = parsed.__class__ is ChatCompletionRequest
+        new_tokens = requested_max_tokens(parsed)[0]
+        self._check_context(parsed, len(prompt_ids), new_tokens, candidates)
 
-        chat = isinstance(parsed, ChatCompletionRequest)
         # A non-streaming client gets the replica's JSON answer passed through (a failure retries
         # from scratch). It is collected from a streamed upstream instead (a failure after k tokens
         # resumes from them) with gateway.resume_non_stream, and when the router wants it timed;
@@ -247,10 +261,10 @@ class Proxy:
                 raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
             payload = _encode_json(raw)
         total_s, ttft_s, itl_s = gateway.timeouts(model)
-        loop = self.loop
         plan = _Plan(parsed, raw, body, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
-                     loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s)
+                     self.loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s,
+                     new_tokens)
         echo_chars = 0
         if not chat and parsed.echo and isinstance(parsed.prompt, str):  # a chat request has no echo
             echo_chars = len(parsed.prompt)
@@ -259,9 +273,8 @@ class Proxy:
                           wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                           stops=stop_strings(parsed), skip_special_tokens=parsed.skip_special_tokens is not False,
                           echo_chars=echo_chars)
-        answer = Answer(spec, record, reply_headers, exchange)
         self.budget.on_request(time.monotonic())
-        await self._tries(exchange, record, plan, answer)
+        return plan, Answer(spec, record, reply_headers, exchange)
 
     # ---- tries ----------------------------------------------------------------------------------
 
@@ -280,9 +293,8 @@ class Proxy:
                 hashes = self.router.hashes(routed_ids, plan.parsed.cache_salt)
             else:
                 routed_ids, hashes = plan.prompt_ids, plan.hashes()
-            new_tokens = requested_max_tokens(plan.parsed)[0]
             with self.router.attempt(names, plan.model, routed_ids, hashes, plan.session_key,
-                                     plan.parsed.cache_salt, new_tokens) as attempt:
+                                     plan.parsed.cache_salt, plan.max_new_tokens) as attempt:
                 replica = self.pool.by_name[attempt.replica]
                 record.replica = replica.name
                 if record.routed_s is None:
@@ -579,9 +591,7 @@ class Proxy:
         try:
             return await self.pool.client.post(replica.origin, endpoint, payload, request_id, deadline)
         except HttpClientError as exc:
-            raise TryFailed(f"connect: {_reason(exc)}",
-                            UpstreamError(f"Replica {replica.name} unreachable.", code="upstream_unreachable"),
-                            fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
+            raise _unreachable(replica, exc) from None
 
     async def _try_json(self, replica: ReplicaState, payload: bytes, plan: _Plan, answer: Answer,
                         attempt: RoutedAttempt) -> None:
@@ -589,8 +599,9 @@ class Proxy:
         for); a failure before all of it arrived is tried again from scratch."""
         record = answer.record
         upstream = None
-        try:
-            upstream = await self._post(replica, record.endpoint, payload, record.request_id, plan.deadline)
+        try:  # the client's post, not _post: one coroutine layer less on the usual request
+            upstream = await self.pool.client.post(replica.origin, record.endpoint, payload, record.request_id,
+                                                   plan.deadline)
             if upstream.status != 200:
                 raise await self._status_error(upstream, replica, plan.deadline)
             body = upstream.body_now()
@@ -600,6 +611,8 @@ class Proxy:
             raise TryFailed("request_timeout", UpstreamError(
                 "The request did not finish within request_timeout_s.", status=504, code="upstream_timeout")) from None
         except HttpClientError as exc:
+            if upstream is None:  # the request did not get there
+                raise _unreachable(replica, exc) from None
             raise TryFailed(f"disconnected: {_reason(exc)}", UpstreamError(
                 f"Replica {replica.name} failed while answering.", code="upstream_disconnected"),
                 fatal=isinstance(exc, ConnectFailed) and exc.refused) from None
@@ -668,7 +681,8 @@ class Proxy:
             raise ModelNotFound(requested, known)
         return requested
 
-    def _check_context(self, parsed: AnyRequest, prompt_ids: list[int], candidates: tuple[ReplicaState, ...]) -> None:
+    def _check_context(self, parsed: AnyRequest, prompt_len: int, new_tokens: int | None,
+                       candidates: tuple[ReplicaState, ...]) -> None:
         """vLLM's context rule against the smallest context among the candidates, before routing:
         a request no replica could serve gets vLLM's 400 here, not after a round trip. The smallest
         is kept with the pool's candidates tuple it came from (a new tuple when a replica's
@@ -678,8 +692,9 @@ class Proxy:
         else:
             limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
             self._context_of = (candidates, limit)
-        if limit:
-            fit_max_tokens(parsed, len(prompt_ids), limit, None)
+        # fit_max_tokens refuses only these (its message says which); the usual request fits
+        if limit and (prompt_len >= limit or (new_tokens is not None and new_tokens > limit)):
+            fit_max_tokens(parsed, prompt_len, limit, None)
 
 
 def _with_token_ids(body: bytes) -> bytes | None:
@@ -707,6 +722,13 @@ def _collectable(raw: dict, body: bytes) -> bool:
     except BadRequest:
         return False
     return True
+
+
+def _unreachable(replica: ReplicaState, exc: HttpClientError) -> TryFailed:
+    """A try whose request could not reach the replica (refused: it is certainly gone)."""
+    return TryFailed(f"connect: {_reason(exc)}",
+                     UpstreamError(f"Replica {replica.name} unreachable.", code="upstream_unreachable"),
+                     fatal=isinstance(exc, ConnectFailed) and exc.refused)
 
 
 def _reason(exc: BaseException) -> str:
