@@ -1,7 +1,7 @@
 /* The plain HTTP/1.1 heads of the hot path, read in one pass: a client's request head
    (gateway/hot_path.py) and a replica's whole answer (gateway/http_client.py).
 
-   parse(buffer, end) -> (target, [(name, value), ...], longest) | None
+   parse(buffer, end) -> (target, [(name, value), ...], longest, content_length, keep_alive) | None
 
    `end` is where the head's "\r\n\r\n" starts. It takes only the common, plain shape:
 
@@ -14,7 +14,11 @@
    space before the colon, ...) gives None, and the caller parses the head with llhttp as before:
    this fast path accepts a subset of what llhttp accepts and reads it the same way, so nothing
    changes for the heads it leaves alone. `longest` is the longest header line, name + value + 2,
-   as the llhttp callbacks count it. Names and values come back as str (they are ASCII).
+   as the llhttp callbacks count it. Names and values come back as str (they are ASCII). It also
+   reads what the hot path decides on (names case-insensitive): None unless there is exactly one
+   Content-Length, of 1-18 digits, and no Transfer-Encoding, Expect or Upgrade header (the hot
+   path leaves such requests to aiohttp whichever parser reads them); keep_alive is False when the
+   first Connection header holds "close" in any case.
 
    parse_response(data) -> (status, {name: value}, body) | None
 
@@ -49,11 +53,55 @@ static void init_tchar(void) {
 
 static int value_byte(unsigned char c) { return (c >= 0x21 && c <= 0x7e) || c == ' ' || c == '\t'; }
 
+/* What parse() learns of a request head's lines besides the pairs (see the top comment). */
+struct head_facts {
+    int lengths;            /* Content-Length lines */
+    long long length;       /* the first one's value; -1: not 1-18 digits */
+    int refused;            /* a Transfer-Encoding, Expect or Upgrade line */
+    int connection_seen;
+    int close;              /* the first Connection line holds "close" */
+};
+
+static int same_name(const unsigned char *name, Py_ssize_t len, const char *lower) {
+    Py_ssize_t i = 0;
+    for (; i < len && lower[i]; i++) {
+        unsigned char c = name[i];
+        if ((c >= 'A' && c <= 'Z' ? c + 32 : c) != (unsigned char)lower[i]) return 0;
+    }
+    return i == len && lower[i] == 0;
+}
+
+static void learn(struct head_facts *facts, const unsigned char *name, Py_ssize_t name_len,
+                  const unsigned char *value, Py_ssize_t value_len) {
+    if (same_name(name, name_len, "content-length")) {
+        if (facts->lengths++ == 0) {
+            long long length = 0;
+            if (value_len > 18) length = -1;
+            for (Py_ssize_t i = 0; i < value_len && length >= 0; i++) {
+                if (value[i] < '0' || value[i] > '9') length = -1;
+                else length = length * 10 + (value[i] - '0');
+            }
+            facts->length = length;
+        }
+    } else if (same_name(name, name_len, "transfer-encoding") || same_name(name, name_len, "expect") ||
+               same_name(name, name_len, "upgrade")) {
+        facts->refused = 1;
+    } else if (!facts->connection_seen && same_name(name, name_len, "connection")) {
+        facts->connection_seen = 1;
+        for (Py_ssize_t i = 0; i + 5 <= value_len; i++) {
+            if (same_name(value + i, 5, "close")) {
+                facts->close = 1;
+                break;
+            }
+        }
+    }
+}
+
 /* The header lines from *p up to `stop` (just past the last line's CRLF): each appended to `pairs`
    as (name, value), or set in `dict` with its name lower-cased. 1: all plain; 0: one is not (the
    caller falls back to llhttp); -1: a Python error. *longest: the longest line, name + value + 2. */
 static int read_lines(const unsigned char **at, const unsigned char *stop, PyObject *pairs, PyObject *dict,
-                      Py_ssize_t *longest) {
+                      Py_ssize_t *longest, struct head_facts *facts) {
     const unsigned char *p = *at;
     char lower[256];
     while (p < stop) {
@@ -72,6 +120,7 @@ static int read_lines(const unsigned char **at, const unsigned char *stop, PyObj
             return 0;
         p += 2;
         if (name_len + value_len + 2 > *longest) *longest = name_len + value_len + 2;
+        if (facts != NULL) learn(facts, name, name_len, value, value_len);
         if (pairs != NULL) {
             PyObject *pair = Py_BuildValue("(s#s#)", (const char *)name, name_len, (const char *)value, value_len);
             if (pair == NULL) return -1;
@@ -129,13 +178,15 @@ static PyObject *parse(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *pairs = PyList_New(0);
     if (pairs == NULL) return NULL;
     Py_ssize_t longest = 0;
-    int read = read_lines(&p, stop, pairs, NULL, &longest);
+    struct head_facts facts = {0, -1, 0, 0, 0};
+    int read = read_lines(&p, stop, pairs, NULL, &longest, &facts);
     if (read < 0) goto error;
     if (read == 0) goto fallback;
-    if (p != stop) goto fallback;
+    if (p != stop || facts.lengths != 1 || facts.length < 0 || facts.refused) goto fallback;
     PyObject *target = PyBytes_FromStringAndSize((const char *)buf + 5, target_len);
     if (target == NULL) goto error;
-    PyObject *result = Py_BuildValue("(NNn)", target, pairs, longest);
+    PyObject *result = Py_BuildValue("(NNnLO)", target, pairs, longest, facts.length,
+                                     facts.close ? Py_False : Py_True);
     return result;
 fallback:
     Py_DECREF(pairs);
@@ -167,7 +218,7 @@ static PyObject *parse_response(PyObject *self, PyObject *data) {
     PyObject *headers = PyDict_New();
     if (headers == NULL) return NULL;
     Py_ssize_t longest = 0;
-    int read = read_lines(&p, stop, NULL, headers, &longest);
+    int read = read_lines(&p, stop, NULL, headers, &longest, NULL);
     if (read < 0) {
         Py_DECREF(headers);
         return NULL;
@@ -266,7 +317,7 @@ static PyObject *response_head(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef methods[] = {
     {"parse", (PyCFunction)(void (*)(void))parse, METH_FASTCALL,
-     "parse(buffer, end) -> (target, [(name, value), ...], longest) for a plain hot request head, else None."},
+     "parse(buffer, end) -> (target, [(name, value), ...], longest, content_length, keep_alive) for a plain hot request head, else None."},
     {"parse_response", (PyCFunction)parse_response, METH_O,
      "parse_response(data) -> (status, {name: value}, body) for a whole plain answer in one read, else None."},
     {"response_head", (PyCFunction)(void (*)(void))response_head, METH_FASTCALL,

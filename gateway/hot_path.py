@@ -604,8 +604,9 @@ class HotProtocol(asyncio.Protocol):
         if not buffer.startswith(b"POST /v1/"):
             return None
         plain = _plain_head(buffer, end) if _plain_head is not None and NATIVE else None
-        if plain is not None:  # the usual head, read in C the way llhttp reads it
-            target, pairs, longest = plain
+        if plain is not None:  # the usual head, read and checked in C the way the lines below do
+            target, pairs, longest, length, keep_alive = plain
+            headers = CIMultiDict(pairs)
         else:
             head = _Head()
             parser = httptools.HttpRequestParser(head)
@@ -617,19 +618,19 @@ class HotProtocol(asyncio.Protocol):
             if target not in _ENDPOINTS or not head.complete or parser.get_http_version() != "1.1" \
                     or parser.get_method() != b"POST" or not head.ascii:
                 return None
+            headers = CIMultiDict(pairs)
+            if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
+                return None  # chunked bodies, 100-continue and upgrades are aiohttp's
+            lengths = headers.getall("content-length", ())
+            if len(lengths) != 1 or not lengths[0].isdigit():
+                return None
+            length = int(lengths[0])
+            keep_alive = "close" not in headers.get("connection", "").lower()
         limits = self._guard.limits
         if len(pairs) > limits.max_headers or longest > limits.max_header_bytes:
             return None
-        headers = CIMultiDict(pairs)
-        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
-            return None  # chunked bodies, 100-continue and upgrades are aiohttp's
-        lengths = headers.getall("content-length", ())
-        if len(lengths) != 1 or not lengths[0].isdigit():
-            return None
-        length = int(lengths[0])
         if length > self._guard.max_body_bytes:
             return None  # the front door's 413 (and its connection close) is aiohttp's to send
-        keep_alive = "close" not in headers.get("connection", "").lower()
         return target, headers, length, keep_alive, end + 4
 
     def _hand_over(self) -> None:
