@@ -85,9 +85,7 @@ class LeanOverParts:
                 attempt.cached_tokens = record.cached_tokens
         finally:
             proxy.request_log.emit(record)
-            proxy.metrics.observe_request(
-                replica=record.replica, status=record.status, ttft_s=record.ttft_s, itl_s=record.itl_s,
-                e2e_s=record.e2e_s, prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens)
+            proxy.metrics.observe_record(record)
 
 
 def serve_with_lean_listener(config_path: str, lean_port: int) -> int:

@@ -94,8 +94,7 @@ class FrontDoor:
         record.key = key
         record.fail(err.status, err.message)
         self.request_log.emit(record)
-        self.metrics.observe_request(replica=None, status=err.status, ttft_s=None, itl_s=[], e2e_s=record.e2e_s,
-                                     prompt_tokens=None, completion_tokens=None)
+        self.metrics.observe_record(record)
         if isinstance(err, RequestTimeout) and isinstance(request.protocol, GuardedHandler):
             request.protocol.close_after_response()
         if isinstance(err, (RequestTimeout, PayloadTooLarge)):

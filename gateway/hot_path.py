@@ -150,8 +150,7 @@ class HotPath:
         record.key = key
         record.fail(err.status, err.message)
         door.request_log.emit(record)
-        door.metrics.observe_request(replica=None, status=err.status, ttft_s=None, itl_s=[], e2e_s=record.e2e_s,
-                                     prompt_tokens=None, completion_tokens=None)
+        door.metrics.observe_record(record)
         await exchange.respond_error(err, {})
 
     async def body_timed_out(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict) -> None:

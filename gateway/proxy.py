@@ -123,6 +123,7 @@ class Proxy:
         # makes a getpid() system call each time, ~4 a streamed request.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _check_context
+        self._lanes: tuple = (None, {})      # (config, {model: _lane(model)})
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
@@ -185,10 +186,7 @@ class Proxy:
             self.active -= 1
             exchange.grant.settle()
             self.request_log.emit(record)
-            self.metrics.observe_request(
-                replica=record.replica, status=record.status, ttft_s=record.ttft_s, itl_s=record.itl_s,
-                e2e_s=record.e2e_s, prompt_tokens=record.prompt_tokens,
-                completion_tokens=record.completion_tokens)
+            self.metrics.observe_record(record)
 
     @staticmethod
     async def _refuse(exchange: Exchange, err: APIError, headers: dict, record: RequestRecord) -> None:
@@ -260,21 +258,30 @@ class Proxy:
                 raw["stream"] = True
                 raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
             payload = _encode_json(raw)
-        total_s, ttft_s, itl_s = gateway.timeouts(model)
+        lanes = self._lanes
+        lane = lanes[1].get(model) if lanes[0] is self.pool.config else None
+        total_s, ttft_s, itl_s, pd = lane if lane is not None else self._lane(model)
         plan = _Plan(parsed, raw, body, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
-                     self.loop.time() + total_s, PDState() if self.pd.decode_pool(model) else None, ttft_s, itl_s,
-                     new_tokens)
+                     self.loop.time() + total_s, PDState() if pd else None, ttft_s, itl_s, new_tokens)
         echo_chars = 0
         if not chat and parsed.echo and isinstance(parsed.prompt, str):  # a chat request has no echo
             echo_chars = len(parsed.prompt)
-        spec = AnswerSpec(chat=chat, stream=parsed.stream, model=model,
-                          wants_token_ids=bool(parsed.return_token_ids),
-                          wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-                          stops=stop_strings(parsed), skip_special_tokens=parsed.skip_special_tokens is not False,
-                          echo_chars=echo_chars)
+        spec = AnswerSpec(chat, parsed.stream, model, bool(parsed.return_token_ids),
+                          bool(parsed.stream_options and parsed.stream_options.include_usage),
+                          [] if parsed.stop is None else stop_strings(parsed), parsed.skip_special_tokens is not False,
+                          echo_chars)
         self.budget.on_request(time.monotonic())
         return plan, Answer(spec, record, reply_headers, exchange)
+
+    def _lane(self, model: str) -> tuple[float, float, float, bool]:
+        """A model's (request, ttft, inter-token timeouts in s, served by a P/D pool): worked out
+        once per config (a reload brings a new one), not on every request."""
+        config = self.pool.config
+        if self._lanes[0] is not config:
+            self._lanes = (config, {})
+        lane = self._lanes[1][model] = (*config.gateway.timeouts(model), self.pd.decode_pool(model))
+        return lane
 
     # ---- tries ----------------------------------------------------------------------------------
 

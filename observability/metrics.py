@@ -12,6 +12,7 @@ from the load tracker when collected (`in_flight.source`), with nothing to updat
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -170,18 +171,22 @@ class GatewayMetrics:
     def replica_counter(self, metric, replica: str):
         return self._child(metric, replica)
 
-    def observe_request(self, *, replica: str | None, status: int, ttft_s: float | None,
-                        itl_s: list[float], e2e_s: float, prompt_tokens: int | None,
-                        completion_tokens: int | None) -> None:
-        key = (replica or "none", status)
+    def observe_record(self, record) -> None:
+        """A finished request (its RequestRecord) into the request metrics, folded in with the next
+        flush: its replica and status, TTFT, token intervals, end to end time and token counts."""
+        started, first, finished = record.started_s, record.first_token_s, record.finished_s
+        if finished is None:
+            finished = time.perf_counter()
+        prompt_tokens, completion_tokens, itl_s = record.prompt_tokens, record.completion_tokens, record.itl_s
+        key = (record.replica or "none", record.status)
         with self._lock:
             counts = self._counts
             counts[key] = counts.get(key, 0) + 1
-            if ttft_s is not None:
-                self._ttft.append(ttft_s)
+            if first is not None:
+                self._ttft.append(first - started)
             if itl_s:
                 self._itl += itl_s
-            self._e2e.append(e2e_s)
+            self._e2e.append(finished - started)
             if prompt_tokens:
                 self._prompt_tokens += prompt_tokens
             if completion_tokens:

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import Gauge
 
 from observability.metrics import FLUSH_EVERY, GatewayMetrics
+from observability.request_log import RequestRecord
 from routing import prefix_table
 from routing.hashing import block_hashes
 from routing.prefix_table import PrefixTable
@@ -74,8 +75,10 @@ def test_the_small_and_c_inserts_leave_the_table_as_the_array_path_does(monkeypa
 def test_metrics_folded_in_batches_read_as_if_updated_one_by_one(requests):
     batched = GatewayMetrics()
     for n in range(requests):
-        batched.observe_request(replica=f"r{n % 2}", status=200 if n % 5 else 502, ttft_s=0.01 * n,
-                                itl_s=[0.001 * n, 0.2], e2e_s=0.5, prompt_tokens=10, completion_tokens=3)
+        batched.observe_record(RequestRecord(
+            "r", "/v1/completions", started_s=1.0, replica=f"r{n % 2}", status=200 if n % 5 else 502,
+            first_token_s=1.0 + 0.01 * n, itl_s=[0.001 * n, 0.2], finished_s=1.5, prompt_tokens=10,
+            completion_tokens=3))
     text = batched.render().decode()
     assert metric(text, "kvgate_requests_total") == requests
     assert metric(text, "kvgate_requests_total", replica="r1", status="502") == len(
@@ -85,6 +88,7 @@ def test_metrics_folded_in_batches_read_as_if_updated_one_by_one(requests):
         [n for n in range(requests) if 0.001 * n <= 0.1])
     assert metric(text, "kvgate_time_to_first_token_seconds_sum") == pytest.approx(sum(0.01 * n for n in range(requests)))
     assert metric(text, "kvgate_prompt_tokens_total") == 10 * requests
+    assert metric(text, "kvgate_e2e_request_latency_seconds_sum") == pytest.approx(0.5 * requests)
 
 
 @pytest.mark.parametrize("tries", [3, FLUSH_EVERY + 5])
