@@ -59,13 +59,10 @@ class Answer(msgspec.Struct, eq=False):
     base: dict | None = None             # id/object/created/model of the first chunk seen
     prompt_token_ids: list[int] | None = None
     delivered: bool = False              # [DONE] (or the whole JSON answer) went out
-    _echo_left: int = 0                  # echo characters still to lead the output
+    _echoed: int = 0                     # echo characters taken off the output (spec.echo_chars in all)
     kv_stats: dict | None = None         # a P/D decode leg's kv_transfer_stats (bytes pulled, seconds)
     _detok: IncrementalDetokenizer | None = None  # resumed mode
     _led: bool = False                   # a read of this answer's events was taken (see _lead)
-
-    def __post_init__(self) -> None:
-        self._echo_left = self.spec.echo_chars
 
     @property
     def complete(self) -> bool:
@@ -207,9 +204,10 @@ class Answer(msgspec.Struct, eq=False):
                 else:
                     text = choice.text or ""
                 if text:
-                    if self._echo_left:
-                        echoed = min(self._echo_left, len(text))
-                        self._echo_left -= echoed
+                    echo_left = spec.echo_chars - self._echoed
+                    if echo_left:
+                        echoed = min(echo_left, len(text))
+                        self._echoed += echoed
                         text = text[echoed:]
                     texts.append(text)
                     emitted += len(text)

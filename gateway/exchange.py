@@ -64,6 +64,12 @@ class Exchange:
         """A whole response (before any stream was opened)."""
         raise NotImplementedError
 
+    def respond_now(self, status: int, body: bytes, headers: dict[str, str],
+                    content_type: str = "application/json") -> bool:
+        """respond() without a coroutine, where it needs no wait: False when it does (the app's
+        response hooks are awaited), and nothing was sent: call respond()."""
+        return False
+
     async def respond_error(self, err: APIError, headers: dict[str, str]) -> None:
         """An error in OpenAI's shape (before any stream was opened)."""
         raise NotImplementedError
@@ -110,7 +116,12 @@ class AiohttpExchange(Exchange):
 
     async def respond(self, status: int, body: bytes, headers: dict[str, str],
                       content_type: str = "application/json") -> None:
+        self.respond_now(status, body, headers, content_type)
+
+    def respond_now(self, status: int, body: bytes, headers: dict[str, str],
+                    content_type: str = "application/json") -> bool:
         self.response = web.Response(status=status, body=body, content_type=content_type, headers=headers)
+        return True
 
     async def respond_error(self, err: APIError, headers: dict[str, str]) -> None:
         response = error_response(err)

@@ -350,19 +350,31 @@ class HotExchange(Exchange):
             except ClientGone:
                 pass  # its next write says so
 
+    def respond_now(self, status: int, body: bytes, headers: dict[str, str],
+                    content_type: str = "application/json") -> bool:
+        if self.hot.hooks:  # they are awaited: respond()
+            return False
+        small = len(body) < 65536  # a short body leaves with its head, in one bytes object and one write
+        head = self._head_now(status, {**headers, "Content-Type": content_type}, f"Content-Length: {len(body)}",
+                              body if small else b"")
+        self._send_whole(head, b"" if small else body)
+        return True
+
     async def respond(self, status: int, body: bytes, headers: dict[str, str],
                       content_type: str = "application/json") -> None:
-        small = len(body) < 65536  # a short body leaves with its head, in one bytes object and one write
-        headers = {**headers, "Content-Type": content_type}
-        framing = f"Content-Length: {len(body)}"
-        if self.hot.hooks:
-            head = await self._head(status, headers, framing, body if small else b"")
-        else:
-            head = self._head_now(status, headers, framing, body if small else b"")
+        if self.respond_now(status, body, headers, content_type):
+            return
+        small = len(body) < 65536
+        head = await self._head(status, {**headers, "Content-Type": content_type}, f"Content-Length: {len(body)}",
+                                body if small else b"")
+        self._send_whole(head, b"" if small else body)
+
+    def _send_whole(self, head: bytes, rest: bytes) -> None:
+        """A whole response: its head (with the body, or its start), then `rest` of the body."""
         try:
             self.conn.send(head)
-            if not small:
-                self.conn.send(body)
+            if rest:
+                self.conn.send(rest)
         except ClientGone:
             pass  # it hung up: nothing to answer (the record already has its outcome)
         self.conn.response_done(self.keep_alive)
@@ -548,7 +560,8 @@ class HotProtocol(asyncio.Protocol):
     def _next(self) -> None:
         """Idle, with bytes in the buffer: take the next request if it is a hot one and complete."""
         buffer = self._buffer
-        if self._head is None:
+        head = self._head
+        if head is None:
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(buffer) > 16384 or buffer.find(b"\r\n", 0, 8192) < 0 and len(buffer) > 8192:
@@ -560,15 +573,14 @@ class HotProtocol(asyncio.Protocol):
             if head is None:
                 self._hand_over()
                 return
-            self._head = head
-            self._disarm()
-        target, headers, length, keep_alive, body_at = self._head
+        target, headers, length, keep_alive, body_at = head
         if len(buffer) < body_at + length:
+            self._head = head
             if self._timer_kind != "body":
                 self._expect("body", self._guard.limits.body_timeout_s)
             return
-        self._disarm()
         self._head = None
+        self._timer_kind = ""  # disarmed (_disarm): the head's or body's deadline was met
         body = buffer[body_at:body_at + length]
         self._buffer = buffer[body_at + length:]
         # asyncio.Task with a name, not loop.create_task: Python 3.11 formats a "Task-N" name for

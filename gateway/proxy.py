@@ -122,7 +122,7 @@ class Proxy:
         # The serving loop, set on startup (before any request): CPython 3.11's get_running_loop()
         # makes a getpid() system call each time, ~4 a streamed request.
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _check_context
+        self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _context_limit
         self._lanes: tuple = (None, {})      # (config, {model: _lane(model)})
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
@@ -232,7 +232,11 @@ class Proxy:
         grant.admit(parsed, raw, record)
         chat = parsed.__class__ is ChatCompletionRequest
         new_tokens = requested_max_tokens(parsed)[0]
-        self._check_context(parsed, len(prompt_ids), new_tokens, candidates)
+        context_of = self._context_of  # (candidates, their smallest context): see _context_limit
+        limit = context_of[1] if candidates is context_of[0] else self._context_limit(candidates)
+        # fit_max_tokens refuses only these (its 400 says which); the usual request fits
+        if limit and (len(prompt_ids) >= limit or (new_tokens is not None and new_tokens > limit)):
+            fit_max_tokens(parsed, len(prompt_ids), limit, None)
 
         # A non-streaming client gets the replica's JSON answer passed through (a failure retries
         # from scratch). It is collected from a streamed upstream instead (a failure after k tokens
@@ -346,7 +350,8 @@ class Proxy:
                     last = failure
                 finally:
                     attempt.cached_tokens = record.cached_tokens
-                    self._signal_room()
+                    if self._queued:  # requests wait for room: they re-check
+                        self._signal_room()
                     if leg is not None:
                         await leg.close(answered=answer.complete)
                     if answer.kv_stats:
@@ -415,7 +420,7 @@ class Proxy:
     def _with_room(self, plan: _Plan, failed: list[str]) -> tuple:
         """(the candidates with room for one more request, the ready ones): _admit's check, which
         _tries makes first without a coroutine (the usual request has room at once)."""
-        ready, ready_names = self.pool.main_pool(plan.model, decode_first=plan.pd is not None)
+        ready, ready_names = self.pool.main_pool(plan.model, plan.pd is not None)
         if failed:
             ready = [r for r in ready if r.name not in failed] or ready
             ready_names = [r.name for r in ready]
@@ -431,10 +436,9 @@ class Proxy:
         return sum(tracker.own_in_flight(r.name) for r in self.pool.replicas if r.spec.role == role)
 
     def _signal_room(self) -> None:
-        """A try ended: requests queued for room re-check (none queued, the usual case: nothing to do)."""
-        if self._queued:
-            room, self._room = self._room, asyncio.Event()
-            room.set()
+        """A try ended while requests are queued for room: they re-check."""
+        room, self._room = self._room, asyncio.Event()
+        room.set()
 
     @staticmethod
     def _continuation(plan: _Plan, answer: Answer, replica: ReplicaState) -> bytes:
@@ -641,8 +645,9 @@ class Proxy:
         # token IDs the client did not ask for; the bookkeeping follows, off the client's wait
         # (and whatever became of the write: the record keeps what the replica answered).
         try:
-            await answer.exchange.respond(200, body if wants_token_ids else strip_token_ids(body),
-                                          answer.reply_headers)
+            out, exchange = body if wants_token_ids else strip_token_ids(body), answer.exchange
+            if not exchange.respond_now(200, out, answer.reply_headers):
+                await exchange.respond(200, out, answer.reply_headers)
         finally:
             self.pool.report(replica, ok=True)
             choice = reply.choices[0] if reply.choices else None
@@ -688,20 +693,14 @@ class Proxy:
             raise ModelNotFound(requested, known)
         return requested
 
-    def _check_context(self, parsed: AnyRequest, prompt_len: int, new_tokens: int | None,
-                       candidates: tuple[ReplicaState, ...]) -> None:
-        """vLLM's context rule against the smallest context among the candidates, before routing:
-        a request no replica could serve gets vLLM's 400 here, not after a round trip. The smallest
-        is kept with the pool's candidates tuple it came from (a new tuple when a replica's
-        max_model_len, models, tokenizer or health change)."""
-        if candidates is self._context_of[0]:
-            limit = self._context_of[1]
-        else:
-            limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
-            self._context_of = (candidates, limit)
-        # fit_max_tokens refuses only these (its message says which); the usual request fits
-        if limit and (prompt_len >= limit or (new_tokens is not None and new_tokens > limit)):
-            fit_max_tokens(parsed, prompt_len, limit, None)
+    def _context_limit(self, candidates: tuple[ReplicaState, ...]) -> int:
+        """vLLM's context rule is checked against the smallest context among the candidates, before
+        routing (_plan): a request no replica could serve gets vLLM's 400 here, not after a round
+        trip. The smallest is kept with the pool's candidates tuple it came from (a new tuple when a
+        replica's max_model_len, models, tokenizer or health change); 0: none is known."""
+        limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
+        self._context_of = (candidates, limit)
+        return limit
 
 
 def _with_token_ids(body: bytes) -> bytes | None:
