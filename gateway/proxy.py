@@ -163,7 +163,7 @@ class Proxy:
                 if prompt_ids is None:  # much new text: tokenized after a few loop turns, or off the loop
                     prompt_ids = await prompt_token_ids(parsed, bundle, pending)
                 plan, answer = self._plan(exchange, record, parsed, body, candidates, prompt_ids, reply_headers)
-                await self._tries(exchange, record, plan, answer)
+                await self._tries(exchange, record, plan, answer, reply_headers)
             except msgspec.DecodeError as exc:
                 raise from_decode_error(exc) from None
         except APIError as err:
@@ -221,7 +221,8 @@ class Proxy:
 
     def _plan(self, exchange: Exchange, record: RequestRecord, parsed: AnyRequest, body: bytes,
               candidates: tuple[ReplicaState, ...], prompt_ids: list[int], reply_headers: dict) -> tuple:
-        """(the request's _Plan, its Answer): what every try reuses, once the prompt's IDs are known."""
+        """(the request's _Plan, its Answer): what every try reuses, once the prompt's IDs are known.
+        No Answer (None) for a non-streamed request whose replica's answer passes through as it is."""
         model = record.model
         record.prompt_token_ids = prompt_ids
         record.prompt_tokens = len(prompt_ids)
@@ -268,6 +269,9 @@ class Proxy:
         plan = _Plan(parsed, raw, body, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
                      self.loop.time() + total_s, PDState() if pd else None, ttft_s, itl_s, new_tokens)
+        self.budget.on_request(time.monotonic())
+        if not collectable and not pd:  # the replica's JSON passes through (_try_json): nothing to shape
+            return plan, None
         echo_chars = 0
         if not chat and parsed.echo and isinstance(parsed.prompt, str):  # a chat request has no echo
             echo_chars = len(parsed.prompt)
@@ -275,7 +279,6 @@ class Proxy:
                           bool(parsed.stream_options and parsed.stream_options.include_usage),
                           [] if parsed.stop is None else stop_strings(parsed), parsed.skip_special_tokens is not False,
                           echo_chars)
-        self.budget.on_request(time.monotonic())
         return plan, Answer(spec, record, reply_headers, exchange)
 
     def _lane(self, model: str) -> tuple[float, float, float, bool]:
@@ -289,7 +292,8 @@ class Proxy:
 
     # ---- tries ----------------------------------------------------------------------------------
 
-    async def _tries(self, exchange: Exchange, record: RequestRecord, plan: _Plan, answer: Answer) -> None:
+    async def _tries(self, exchange: Exchange, record: RequestRecord, plan: _Plan, answer: Answer | None,
+                     reply_headers: dict) -> None:
         max_attempts = self.pool.config.gateway.max_attempts
         failed: list[str] = []
         last: TryFailed | None = None
@@ -332,7 +336,7 @@ class Proxy:
                             attempt.decode_sample = (len(record.output_token_ids) - 1,
                                                      record.last_token_s - record.first_token_s)
                     else:
-                        return await self._try_json(replica, payload, plan, answer, attempt)
+                        return await self._try_json(exchange, replica, payload, plan, record, reply_headers, attempt)
                     self.pool.report(replica, ok=True)
                     if failed:
                         resume_s = (attempt.first_token_s or time.perf_counter()) - failed_at
@@ -354,7 +358,7 @@ class Proxy:
                         self._signal_room()
                     if leg is not None:
                         await leg.close(answered=answer.complete)
-                    if answer.kv_stats:
+                    if answer is not None and answer.kv_stats:
                         self._take_kv_stats(record, answer)
             failed.append(replica.name)
             left = plan.deadline - self.loop.time()
@@ -376,10 +380,10 @@ class Proxy:
             self.metrics.kv_transfer_bytes.inc(moved)
             self.metrics.kv_transfer_seconds.observe(stats.get("kv_transfer_seconds") or 0.0)
 
-    async def _give_up(self, record: RequestRecord, answer: Answer, failure: TryFailed) -> None:
+    async def _give_up(self, record: RequestRecord, answer: Answer | None, failure: TryFailed) -> None:
         error = failure.error
         record.fail(error.status, f"{failure.reason}; after {len(record.failover or [])} tries")
-        if not answer.response_started:
+        if answer is None or not answer.response_started:
             raise error
         # The client has its 200 and part of the answer: say it in-band (as vLLM does); the
         # record keeps the real outcome.
@@ -604,11 +608,10 @@ class Proxy:
         except HttpClientError as exc:
             raise _unreachable(replica, exc) from None
 
-    async def _try_json(self, replica: ReplicaState, payload: bytes, plan: _Plan, answer: Answer,
-                        attempt: RoutedAttempt) -> None:
+    async def _try_json(self, exchange: Exchange, replica: ReplicaState, payload: bytes, plan: _Plan,
+                        record: RequestRecord, reply_headers: dict, attempt: RoutedAttempt) -> None:
         """A non-streamed answer passed through as is (without the token IDs the client did not ask
         for); a failure before all of it arrived is tried again from scratch."""
-        record = answer.record
         upstream = None
         try:  # the client's post, not _post: one coroutine layer less on the usual request
             upstream = await self.pool.client.post(replica.origin, record.endpoint, payload, record.request_id,
@@ -632,7 +635,7 @@ class Proxy:
                 upstream.release()
         attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
         attempt.first_token()
-        wants_token_ids = answer.spec.wants_token_ids
+        wants_token_ids = bool(plan.parsed.return_token_ids)
         if not wants_token_ids:  # the prompt's IDs, echoed: cut before reading the rest (the record has ours)
             body = strip_prompt_token_ids(body)
         try:
@@ -645,9 +648,9 @@ class Proxy:
         # token IDs the client did not ask for; the bookkeeping follows, off the client's wait
         # (and whatever became of the write: the record keeps what the replica answered).
         try:
-            out, exchange = body if wants_token_ids else strip_token_ids(body), answer.exchange
-            if not exchange.respond_now(200, out, answer.reply_headers):
-                await exchange.respond(200, out, answer.reply_headers)
+            out = body if wants_token_ids else strip_token_ids(body)
+            if not exchange.respond_now(200, out, reply_headers):
+                await exchange.respond(200, out, reply_headers)
         finally:
             self.pool.report(replica, ok=True)
             choice = reply.choices[0] if reply.choices else None
