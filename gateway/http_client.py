@@ -141,7 +141,9 @@ class UpstreamClient:
         conns = self._idle.get(key)
         while conns:
             conn = conns.pop()
-            if conn.reusable():
+            # It was reusable() when given back; idle, only the replica can change that: its close
+            # (lost) or bytes nobody asked for (keep-alive off).
+            if conn._keep_alive and not conn.lost:
                 return conn
             conn.close()
         return None
@@ -392,6 +394,7 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def eof_received(self):
+        self._keep_alive = False  # not to be taken from the pool meanwhile (_take_idle)
         return False  # close the transport: connection_lost follows
 
     # ---- llhttp's callbacks ----------------------------------------------------------------------
