@@ -153,6 +153,49 @@ def test_a_body_that_stops_coming_is_a_408_with_its_record(gateway):
     assert gateway.record(request_id)["status"] == 408
 
 
+def test_a_connection_serves_request_after_request_and_a_stop_waits_for_none_of_the_idle_ones(tmp_path):
+    """One keep-alive connection: requests one after another, then a stream the client hangs up on
+    (a 499, its replica request closed); the gateway serves on, and a SIGTERM with idle keep-alive
+    connections open stops at once, not after drain_grace_s (30 s) or the keep-alive timeout."""
+    with StubProcess(output_tokens=60, token_interval_ms=50) as stub:
+        port = free_port()
+        config = tmp_path / "gateway.yaml"
+        config.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\nlogging: {{format: json, token_ids: full}}\n"
+                          f"replicas:\n  - {{name: s0, url: '{stub.url}', model: stub}}\n")
+        with run_gateway(config, port) as server:
+            gateway = Gateway(server, [])
+            tag = uuid.uuid4().hex[:8]
+            short = {**COMPLETION, "max_tokens": 2}
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                for n in range(3):
+                    sock.sendall(post("/v1/completions", short, f"seq-{tag}-{n}"))
+                    (status, headers, _), = read_responses(sock, 1)
+                    assert status == 200 and headers["x-request-id"] == f"seq-{tag}-{n}"
+                sock.sendall(post("/v1/completions", {**COMPLETION, "max_tokens": 60, "stream": True},
+                                  f"gone-{tag}"))
+                received = b""
+                while received.count(b"data: ") < 2:  # it streams: then the client hangs up
+                    received += _recv(sock)
+            assert gateway.record(f"gone-{tag}")["status"] == 499
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+            try:
+                for n, sock in enumerate(idle):
+                    sock.sendall(post("/v1/completions", short, f"idle-{tag}-{n}"))
+                    assert read_responses(sock, 1)[0][0] == 200
+                for request_id in [f"seq-{tag}-{n}" for n in range(3)] + [f"idle-{tag}-{n}" for n in range(2)]:
+                    assert gateway.record(request_id)["status"] == 200
+                stopping = time.monotonic()
+                server.proc.terminate()
+                server.proc.wait(timeout=20)
+                assert time.monotonic() - stopping < 10, "a stop waited on idle keep-alive connections"
+                assert server.proc.returncode == 0
+                for sock in idle:  # closed by the gateway
+                    assert sock.recv(10) == b""
+            finally:
+                for sock in idle:
+                    sock.close()
+
+
 def test_every_request_ends_in_exactly_one_record_with_its_token_ids(gateway):
     tag = uuid.uuid4().hex[:8]
 
