@@ -88,7 +88,6 @@ class Router:
         self.adopted_decode_scales: dict[str, float] = {}  # model -> the scale its replicas' decode steps use
         self.non_stream_requests: dict[str, int] = {}  # model -> non-streamed requests so far
         self.last_timed_s: dict[str, float] = {}       # model -> clock of its last timed one (after the first)
-        self._commits: list[tuple] = []                # (policy, decision) to commit on the next loop turn
         self.apply(config)
         self._warm_up()
 
@@ -282,27 +281,13 @@ class Router:
         # The load each candidate looked like when it was chosen (the record explains the choice).
         estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
         if policy.learns:
-            # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
-            # decision path: on the next loop turn, once the request is on its way upstream; the
-            # decisions of one turn together (one callback, not one each).
-            commits = self._commits
-            commits.append((policy, decision))
-            if len(commits) == 1:
-                try:
-                    (self.loop or asyncio.get_running_loop()).call_soon(self._commit)
-                except RuntimeError:  # no loop (called from plain code): record it now
-                    self._commit()
-        return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
-
-
-    def _commit(self) -> None:
-        """What the policies learn from the decisions made since the last call, in their order."""
-        commits, self._commits = self._commits, []
-        for policy, decision in commits:
             try:
+                # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
+                # decision path: on the next loop turn, once the request is on its way upstream.
+                (self.loop or asyncio.get_running_loop()).call_soon(policy.commit, decision)
+            except RuntimeError:  # no loop (called from plain code): record it now
                 policy.commit(decision)
-            except Exception as exc:  # one decision's trouble is not the others'
-                log.exception("routing_commit_failed", replica=decision.replica, error=str(exc))
+        return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
 
 
 class RoutedAttempt:
