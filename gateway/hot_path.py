@@ -206,8 +206,7 @@ class _HotRequest(dict):
     __slots__ = ("headers", "path")
     method = "POST"
 
-    def __init__(self, headers: CIMultiDict, path: str) -> None:
-        super().__init__()
+    def __init__(self, headers: CIMultiDict, path: str) -> None:  # empty as dict.__new__ made it
         self.headers = headers
         self.path = path
 
