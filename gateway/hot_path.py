@@ -59,7 +59,7 @@ except ImportError:  # no C compiler at install: every head goes through llhttp,
 # False: no sched_yield after a lone stream's first write (see HotExchange._first_out); off where
 # the OS has none.
 LET_CLIENT_RUN = hasattr(os, "sched_yield")
-_TASK_NAME = "kvgate-request"  # every hot connection's task, which runs its requests (see HotProtocol._run)
+_TASK_NAME = "kvgate-request"  # every hot request's task (see HotProtocol._next)
 NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two),
 # and every response head made in Python
 
@@ -450,10 +450,7 @@ class HotProtocol(asyncio.Protocol):
         self._ip: str | None = None
         self._buffer = b""
         self._head: tuple | None = None       # a parsed head whose body is still arriving
-        self._task: asyncio.Task | None = None  # runs the connection's requests (_run), made for the first
-        self._busy = False                    # a request is being served
-        self._coro = None                     # the next request's coroutine, for _run
-        self._idle_waiter: asyncio.Future | None = None  # _run waits on it between requests
+        self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""                 # "head", "body" or "idle": what _deadline is for
         self._deadline = 0.0
@@ -482,7 +479,7 @@ class HotProtocol(asyncio.Protocol):
         if self._refused or self._handed:
             return
         self._buffer = self._buffer + data if self._buffer else data
-        if not self._busy:
+        if self._task is None:
             self._next()
         elif len(self._buffer) > self._guard.max_body_bytes + 65536 and not self._read_paused:
             self._read_paused = True  # a client pipelining more than a request ahead: wait for it
@@ -501,7 +498,7 @@ class HotProtocol(asyncio.Protocol):
             self._ip = None
         self._server.connection_lost(self, exc)
         if self._task is not None:
-            self._task.cancel()  # the client hung up: its request is cancelled (the replica's request closes)
+            self._task.cancel()  # the client hung up: its handler is cancelled (the replica's request closes)
         self._wake_drain()
 
     def pause_writing(self) -> None:
@@ -515,7 +512,7 @@ class HotProtocol(asyncio.Protocol):
     def close(self) -> None:
         """Close once idle (now, if it is)."""
         self.closing = True
-        if not self._busy and self.transport is not None:
+        if self._task is None and self.transport is not None:
             self.transport.close()
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
@@ -523,9 +520,7 @@ class HotProtocol(asyncio.Protocol):
         self.closing = True
         self._stop_timer()
         task = self._task
-        if task is not None and not self._busy:
-            task.cancel()  # it waits for a next request that will not come
-        elif task is not None and not task.done():  # it ends with the request (closing)
+        if task is not None and not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError):
@@ -587,74 +582,30 @@ class HotProtocol(asyncio.Protocol):
         self._timer_kind = ""  # disarmed (_disarm): the head's or body's deadline was met
         body = buffer[body_at:body_at + length]
         self._buffer = buffer[body_at + length:]
-        self._serve(self._hot.start(self, target, headers, body, keep_alive, time.perf_counter()))
+        # asyncio.Task with a name, not loop.create_task: Python 3.11 formats a "Task-N" name for
+        # a task made without one (~1,800 instructions a request, a sprintf).
+        task = self._task = asyncio.Task(self._hot.start(self, target, headers, body, keep_alive, time.perf_counter()),
+                                         loop=self.loop, name=_TASK_NAME)
+        task.add_done_callback(self._request_done)
 
-    def _serve(self, coro) -> None:
-        """Run one request's coroutine on the connection's task (_run): woken if it waits between
-        requests, made for the first one."""
-        self._busy = True
-        self._coro = coro
-        waiter = self._idle_waiter
-        if waiter is not None:
-            self._idle_waiter = None
-            waiter.set_result(None)
-        elif self._task is None:
-            # asyncio.Task with a name, not loop.create_task: Python 3.11 formats a "Task-N" name for
-            # a task made without one (~1,800 instructions, a sprintf).
-            self._task = asyncio.Task(self._run(), loop=self.loop, name=_TASK_NAME)
-        # else _run is between two requests (its _request_done took this one): it runs it next
-
-    async def _run(self) -> None:
-        """The connection's requests, one after the other, on one task for the connection's life:
-        a task per request cost ~0.8 us more each (the task, its registration in asyncio's weak
-        set of tasks and its removal, its done callback's turn of the loop). Cancelled when the
-        client hangs up (the request in flight with it) or at shutdown."""
-        try:
-            while True:
-                coro, self._coro = self._coro, None
-                try:
-                    await coro
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the proxy records its own errors: this is a bug of ours
-                    self.loop.call_exception_handler({"message": "hot path request failed", "exception": exc,
-                                                      "protocol": self})
-                    self.closing = True
-                self._busy = False
-                if not self._request_done():
-                    return
-                if self._coro is None:
-                    waiter = self._idle_waiter = self.loop.create_future()
-                    await waiter
-        finally:
-            if self._coro is not None:  # cancelled before it began (the client left at once)
-                self._coro.close()
-            self._task = self._coro = self._idle_waiter = None
-            self._busy = False
-
-    def _request_done(self) -> bool:
-        """A request is over: the next one if it is here, else the keep-alive wait; False when the
-        connection is closed or closes now."""
-        transport = self.transport
-        if transport is None:
-            return False
+    def _request_done(self, task: asyncio.Task) -> None:
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:  # the proxy records its own errors
+            self.loop.call_exception_handler({"message": "hot path request failed", "exception": task.exception(),
+                                               "protocol": self})
+            self.closing = True
+        if self.transport is None:
+            return
         if self.closing:
-            transport.close()
-            return False
+            self.transport.close()
+            return
         if self._read_paused:
             self._read_paused = False
-            transport.resume_reading()
+            self.transport.resume_reading()
         if self._buffer:
-            try:
-                self._next()
-            except Exception as exc:
-                self.loop.call_exception_handler({"message": "hot path request failed", "exception": exc,
-                                                  "protocol": self})
-                transport.close()
-                return False
+            self._next()
         else:
             self._expect("idle", self._guard.limits.keepalive_timeout_s)
-        return True
 
     def _parse_head(self, buffer: bytes, end: int) -> tuple | None:
         """(target, headers, content length, keep-alive, body offset) of a head the hot path
@@ -735,7 +686,7 @@ class HotProtocol(asyncio.Protocol):
         self._timer = None
         kind = self._timer_kind
         transport = self.transport
-        if not kind or transport is None or self._busy or self._handed:
+        if not kind or transport is None or self._task is not None or self._handed:
             return
         if self.loop.time() < self._deadline:  # the deadline moved since this timer was set
             self._timer = self.loop.call_at(self._deadline, self._timed_out)
@@ -755,4 +706,5 @@ class HotProtocol(asyncio.Protocol):
             self._buffer = b""
             self.closing = True
             self.transport.pause_reading()
-            self._serve(self._hot.body_timed_out(self, target, headers))
+            task = self._task = self.loop.create_task(self._hot.body_timed_out(self, target, headers))
+            task.add_done_callback(self._request_done)
