@@ -767,3 +767,37 @@ def test_a_replica_is_known_gone_only_while_its_latest_failure_is_a_refused_conn
     assert health.state == "ejected" and health.may_answer
     health.drain(5.0)
     assert not health.may_answer  # an operator took it out: never panic-routed
+
+
+def test_a_replica_is_ejected_at_the_error_rate_over_its_window_and_not_for_older_outcomes():
+    """The circuit opens when failures reach eject_error_rate of the requests in the last
+    error_window_s (with at least error_min_requests), whatever came before the window."""
+    from gateway.health import SLICES, HealthPolicy, ReplicaHealth
+    policy = HealthPolicy(eject_consecutive_failures=1000, eject_error_rate=0.5, error_window_s=10.0,
+                          error_min_requests=10)
+
+    def healthy() -> ReplicaHealth:
+        health = ReplicaHealth(policy, now_s=0.0)
+        health.on_probe(True, 0.0)
+        return health
+
+    health = healthy()
+    for n in range(10):
+        health.on_request(True, n * 0.1)
+    for n in range(9):  # 9 of 19: under half
+        assert health.on_request(False, 1.0 + n * 0.1, "HTTP 500") is None
+    assert health.state == "healthy"
+    health.on_request(False, 2.0, "HTTP 500")  # 10 of 20
+    assert health.state == "ejected" and health.reason == "HTTP 500"
+
+    health = healthy()
+    for n in range(40):  # long past by the time the failures come
+        health.on_request(True, n * 0.01)
+    window_later = 0.4 + policy.error_window_s + policy.error_window_s / SLICES
+    for n in range(5):
+        health.on_request(True, window_later + n * 0.01)
+    for n in range(4):
+        health.on_request(False, window_later + 0.1 + n * 0.01, "HTTP 502")
+    assert health.state == "healthy"  # 4 of 9 in the window; 4 of 49 counting the old ones
+    health.on_request(False, window_later + 0.2, "HTTP 502")
+    assert health.state == "ejected"  # 5 of 10 in the window
