@@ -23,8 +23,9 @@ of them fail at once, the usual cause is load on every one (probes timing out), 
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+
+from gateway.window_counts import WindowCounts
 
 STARTING, HEALTHY, EJECTED, PROBING, DRAINING = "starting", "healthy", "ejected", "probing", "draining"
 STATES = (STARTING, HEALTHY, EJECTED, PROBING, DRAINING)
@@ -45,11 +46,6 @@ class HealthPolicy:
 
 # Bumped whenever any replica's health state changes (ReplicaPool.candidates is cached on it).
 CHANGES = [0]
-# The error window is counted in this many slices (requests and failures per slice, not each
-# outcome kept): a success costs an increment, not a tuple kept for error_window_s (80,000 of
-# them at 8,000 requests/s), and a failure sums at most SLICES + 1 counts. The window's edge moves
-# a slice at a time (0.5 s of the default 10).
-SLICES = 20
 
 
 class ReplicaHealth:
@@ -68,7 +64,7 @@ class ReplicaHealth:
         self._probe_ok = 0
         self._probe_fail = 0
         self._req_fail = 0
-        self._outcomes: deque[list] = deque()  # [slice start, requests, failures] over the error window
+        self._outcomes = WindowCounts(policy.error_window_s)  # (requests, failures) in the error window
         self._drained_from: str | None = None
         self.gone = False
 
@@ -130,14 +126,11 @@ class ReplicaHealth:
             self.succeeded(now_s)
             return None
         self._seen(fatal)
-        self._counted(now_s)[2] += 1
+        self._outcomes.add(now_s, 1, 1)
         self._req_fail += 1
         if self.state not in (HEALTHY, PROBING):
             return None
-        requests = failures = 0
-        for _, count, failed in self._outcomes:
-            requests += count
-            failures += failed
+        requests, failures = self._outcomes.totals(now_s)
         if fatal or self._req_fail >= self.policy.eject_consecutive_failures or (
                 requests >= self.policy.error_min_requests
                 and failures / requests >= self.policy.eject_error_rate):
@@ -149,23 +142,8 @@ class ReplicaHealth:
         a run of failures; it changes no state."""
         if self.gone:
             self._seen(False)
-        self._counted(now_s)
+        self._outcomes.add(now_s)
         self._req_fail = 0
-
-    def _counted(self, now_s: float) -> list:
-        """This outcome counted in the error window's current slice (the caller counts a failure
-        too); a new slice when the last is over, the ones past the window dropped."""
-        outcomes = self._outcomes
-        window = self.policy.error_window_s
-        last = outcomes[-1] if outcomes else None
-        if last is None or now_s - last[0] >= window / SLICES:
-            last = [now_s, 0, 0]
-            outcomes.append(last)
-            horizon = now_s - window
-            while outcomes[0][0] < horizon:
-                outcomes.popleft()
-        last[1] += 1
-        return last
 
     def _eject(self, now_s: float, reason: str) -> str | None:
         # Back again soon after its last return: it flaps; each such ejection lasts twice as long.

@@ -3,7 +3,7 @@ every replica struggles the gateway does not multiply the load it sends them. Be
 count per window retries are always allowed (a quiet gateway still fails over)."""
 from __future__ import annotations
 
-from collections import deque
+from gateway.window_counts import WindowCounts
 
 WINDOW_S = 10.0
 
@@ -12,23 +12,15 @@ class RetryBudget:
     def __init__(self, fraction: float, minimum: int, window_s: float = WINDOW_S) -> None:
         self.fraction = fraction
         self.minimum = minimum
-        self.window_s = window_s
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
-
-    def _trim(self, now_s: float) -> None:
-        horizon = now_s - self.window_s
-        for times in (self._requests, self._retries):
-            while times and times[0] < horizon:
-                times.popleft()
+        self._window = WindowCounts(window_s)  # (requests, retries) in the last window_s
 
     def on_request(self, now_s: float) -> None:
-        self._requests.append(now_s)
+        self._window.add(now_s)
 
     def try_spend(self, now_s: float) -> bool:
         """True (and counted) if one more retry fits the budget now."""
-        self._trim(now_s)
-        if len(self._retries) >= max(self.minimum, self.fraction * len(self._requests)):
+        requests, retries = self._window.totals(now_s)
+        if retries >= max(self.minimum, self.fraction * requests):
             return False
-        self._retries.append(now_s)
+        self._window.add(now_s, 0, 1)
         return True

@@ -772,7 +772,8 @@ def test_a_replica_is_known_gone_only_while_its_latest_failure_is_a_refused_conn
 def test_a_replica_is_ejected_at_the_error_rate_over_its_window_and_not_for_older_outcomes():
     """The circuit opens when failures reach eject_error_rate of the requests in the last
     error_window_s (with at least error_min_requests), whatever came before the window."""
-    from gateway.health import SLICES, HealthPolicy, ReplicaHealth
+    from gateway.health import HealthPolicy, ReplicaHealth
+    from gateway.window_counts import SLICES
     policy = HealthPolicy(eject_consecutive_failures=1000, eject_error_rate=0.5, error_window_s=10.0,
                           error_min_requests=10)
 
@@ -801,3 +802,19 @@ def test_a_replica_is_ejected_at_the_error_rate_over_its_window_and_not_for_olde
     assert health.state == "healthy"  # 4 of 9 in the window; 4 of 49 counting the old ones
     health.on_request(False, window_later + 0.2, "HTTP 502")
     assert health.state == "ejected"  # 5 of 10 in the window
+
+
+def test_the_retry_budget_allows_a_fraction_of_the_last_windows_requests_and_forgets_the_rest():
+    """Retries are at most `fraction` of the requests in the last window (at least `minimum`);
+    requests and retries past the window stop counting, and a gateway that never retries keeps
+    no more than the window's slices, however many requests it serves."""
+    from gateway.retry_budget import RetryBudget
+    from gateway.window_counts import SLICES
+    budget = RetryBudget(0.2, 3, window_s=10.0)
+    for n in range(100):
+        budget.on_request(n * 0.01)
+    assert sum(budget.try_spend(2.0) for _ in range(30)) == 20  # 20% of 100
+    assert sum(budget.try_spend(12.6) for _ in range(10)) == 3  # a window later: the minimum
+    for n in range(200_000):  # 8,000 requests/s for 25 s, nothing retried
+        budget.on_request(20.0 + n / 8000)
+    assert len(budget._window._slices) <= SLICES + 1
