@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench import vs_routers as vs
-from bench.loadgen import LoadgenProcess, Phase, start_bench
+from bench.loadgen import start_bench
 from bench.request_cost import REPO_ROOT, gateway_argv, worktree
 from bench.stub_backend import StubProcess
 from tests.servers import free_port, run_gateway
@@ -69,19 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             pairs.append(tuple(pair))
         routers = [router for pair in pairs for router in pair]
         progress("gateways up: " + ", ".join(router.name for router in routers))
-        for router in routers:
-            vs.check_answers(router.url + "/v1/completions", vs.body(False))
-        scripts = vs.write_wrk_scripts(workdir)
-        loadgen = stack.enter_context(LoadgenProcess())
-        for router in routers:
-            loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=vs.body(False),
-                              mode="closed", concurrency=16, count=400, timeout_s=10.0))
-        for index in range(args.rounds):
-            order = routers[index % len(routers):] + routers[:index % len(routers)]
-            for router in order:
-                vs.saturate(router, "fixed", settings, scripts, loadgen, 0)
-            progress(f"round {index + 1}/{args.rounds}: " + ", ".join(
-                f"{router.name} {router.cpu_us_per_request('fixed'):.1f}" for router in routers))
+        vs.saturate_in_turn(stack, routers, workdir, settings, args.rounds, progress)
     print(f"total {time.monotonic() - started:.0f} s; CPU us a request at saturation ({args.connections} in flight, "
           f"{args.rounds} x {args.saturation_s:g} s each, {vs.STUBS} stubs, fixed prompt):")
     for ours, theirs in pairs:
@@ -94,8 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted: stubs, gateways and load generator stopped", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(main())

@@ -119,7 +119,7 @@ def measure(rounds: int, saturation_s: float, connections: int) -> list[str]:
     from rich.table import Table
 
     from bench import vs_routers as vs
-    from bench.loadgen import LoadgenProcess, Phase, start_bench
+    from bench.loadgen import start_bench
     from bench.stub_backend import StubProcess
     from tests.servers import free_port, run_process
 
@@ -142,19 +142,7 @@ def measure(rounds: int, saturation_s: float, connections: int) -> list[str]:
                                     f"http://127.0.0.1:{lean_port}", server.proc.pid)))
         routers = [router for pair in pairs for router in pair]
         progress(f"{len(stubs)} stubs and {len(pairs)} gateways up")
-        for router in routers:
-            vs.check_answers(router.url + "/v1/completions", vs.body(False))
-        scripts = vs.write_wrk_scripts(workdir)
-        loadgen = stack.enter_context(LoadgenProcess())
-        for router in routers:
-            loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=vs.body(False),
-                              mode="closed", concurrency=16, count=400, timeout_s=10.0))
-        for index in range(rounds):
-            order = routers[index % len(routers):] + routers[:index % len(routers)]
-            for router in order:
-                vs.saturate(router, "fixed", settings, scripts, loadgen, 0)
-            progress(f"round {index + 1}/{rounds}: " + ", ".join(
-                f"{router.name} {router.cpu_us_per_request('fixed'):.0f}" for router in routers))
+        vs.saturate_in_turn(stack, routers, workdir, settings, rounds, progress)
     table = Table(title=f"CPU us a request at saturation ({connections} in flight, {rounds} x {saturation_s:g} s "
                         f"each way, {vs.STUBS} stubs, fixed prompt): one gateway process per policy, reached two ways")
     for column in ("policy", "kvgate's path", "lean path over its parts", "the path's layers", "failed"):

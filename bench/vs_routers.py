@@ -211,6 +211,26 @@ def saturate(router: Router, workload: str, settings: Settings, scripts: dict[st
     router.failed[workload] += failed
 
 
+def saturate_in_turn(stack: contextlib.ExitStack, routers: list[Router], directory: Path, settings,
+                     rounds: int, progress) -> None:
+    """Side by side in one run (bench/layers.py, bench/ab_cpu.py): every router's answer checked
+    and its path warmed up, then `rounds` closed-loop phases each on the fixed prompt, the order
+    rotating each round; each router's CPU and answers add up in it."""
+    for router in routers:
+        check_answers(router.url + "/v1/completions", body(False))
+    scripts = write_wrk_scripts(directory)
+    loadgen = stack.enter_context(LoadgenProcess())
+    for router in routers:
+        loadgen.run(Phase(name="warmup", url=router.url + "/v1/completions", body=body(False), mode="closed",
+                          concurrency=16, count=400, timeout_s=10.0))
+    for index in range(rounds):
+        order = routers[index % len(routers):] + routers[:index % len(routers)]
+        for router in order:
+            saturate(router, "fixed", settings, scripts, loadgen, 0)
+        progress(f"round {index + 1}/{rounds}: " + ", ".join(
+            f"{router.name} {router.cpu_us_per_request('fixed'):.1f}" for router in routers))
+
+
 STUB_RECOVERY_S = 30.0  # how long a stub may take to answer again after a router's phase
 
 

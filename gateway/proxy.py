@@ -122,8 +122,7 @@ class Proxy:
         # The serving loop, set on startup (before any request): CPython 3.11's get_running_loop()
         # makes a getpid() system call each time, ~4 a streamed request.
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _context_limit
-        self._lanes: tuple = (None, {})      # (config, {model: _lane(model)})
+        self._context_of: tuple = (None, 0)  # (candidates tuple, its smallest max_model_len): _check_context
         self._queued = 0           # requests waiting for a replica with room
         self._room = asyncio.Event()  # replaced each time a try ends: waiters re-check
 
@@ -232,12 +231,7 @@ class Proxy:
         raw = None if grant.key is None else _decode_json(body)  # the replica's copy, when a key edits it
         grant.admit(parsed, raw, record)
         chat = parsed.__class__ is ChatCompletionRequest
-        new_tokens = requested_max_tokens(parsed)[0]
-        context_of = self._context_of  # (candidates, their smallest context): see _context_limit
-        limit = context_of[1] if candidates is context_of[0] else self._context_limit(candidates)
-        # fit_max_tokens refuses only these (its 400 says which); the usual request fits
-        if limit and (len(prompt_ids) >= limit or (new_tokens is not None and new_tokens > limit)):
-            fit_max_tokens(parsed, len(prompt_ids), limit, None)
+        self._check_context(parsed, prompt_ids, candidates)
 
         # A non-streaming client gets the replica's JSON answer passed through (a failure retries
         # from scratch). It is collected from a streamed upstream instead (a failure after k tokens
@@ -263,12 +257,12 @@ class Proxy:
                 raw["stream"] = True
                 raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
             payload = _encode_json(raw)
-        lanes = self._lanes
-        lane = lanes[1].get(model) if lanes[0] is self.pool.config else None
-        total_s, ttft_s, itl_s, pd = lane if lane is not None else self._lane(model)
+        total_s, ttft_s, itl_s = gateway.timeouts(model)
+        pd = self.pd.decode_pool(model)
         plan = _Plan(parsed, raw, body, model, prompt_ids, router,
                      router.session_key(exchange.headers, parsed.user), collectable, payload,
-                     self.loop.time() + total_s, PDState() if pd else None, ttft_s, itl_s, new_tokens)
+                     self.loop.time() + total_s, PDState() if pd else None, ttft_s, itl_s,
+                     requested_max_tokens(parsed)[0])
         self.budget.on_request(time.monotonic())
         if not collectable and not pd:  # the replica's JSON passes through (_try_json): nothing to shape
             return plan, None
@@ -280,15 +274,6 @@ class Proxy:
                           [] if parsed.stop is None else stop_strings(parsed), parsed.skip_special_tokens is not False,
                           echo_chars)
         return plan, Answer(spec, record, reply_headers, exchange)
-
-    def _lane(self, model: str) -> tuple[float, float, float, bool]:
-        """A model's (request, ttft, inter-token timeouts in s, served by a P/D pool): worked out
-        once per config (a reload brings a new one), not on every request."""
-        config = self.pool.config
-        if self._lanes[0] is not config:
-            self._lanes = (config, {})
-        lane = self._lanes[1][model] = (*config.gateway.timeouts(model), self.pd.decode_pool(model))
-        return lane
 
     # ---- tries ----------------------------------------------------------------------------------
 
@@ -696,14 +681,18 @@ class Proxy:
             raise ModelNotFound(requested, known)
         return requested
 
-    def _context_limit(self, candidates: tuple[ReplicaState, ...]) -> int:
-        """vLLM's context rule is checked against the smallest context among the candidates, before
-        routing (_plan): a request no replica could serve gets vLLM's 400 here, not after a round
-        trip. The smallest is kept with the pool's candidates tuple it came from (a new tuple when a
-        replica's max_model_len, models, tokenizer or health change); 0: none is known."""
-        limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
-        self._context_of = (candidates, limit)
-        return limit
+    def _check_context(self, parsed: AnyRequest, prompt_ids: list[int], candidates: tuple[ReplicaState, ...]) -> None:
+        """vLLM's context rule against the smallest context among the candidates, before routing:
+        a request no replica could serve gets vLLM's 400 here, not after a round trip. The smallest
+        is kept with the pool's candidates tuple it came from (a new tuple when a replica's
+        max_model_len, models, tokenizer or health change)."""
+        if candidates is self._context_of[0]:
+            limit = self._context_of[1]
+        else:
+            limit = min([c.max_model_len for c in candidates if c.max_model_len] or [0])
+            self._context_of = (candidates, limit)
+        if limit:
+            fit_max_tokens(parsed, len(prompt_ids), limit, None)
 
 
 def _with_token_ids(body: bytes) -> bytes | None:

@@ -63,7 +63,7 @@ class ReplicaState:
         self.poke = asyncio.Event()   # set to make the watcher re-probe now (e.g. after a failure)
 
     # What ReplicaPool.candidates depends on, besides health: each change is counted (CHANGES).
-    # max_model_len too: Proxy._context_limit keeps the candidates' context limit with them.
+    # max_model_len too: Proxy._check_context keeps the candidates' context limit with them.
     models = _counted_field("_models", "Models the replica's server lists (its /v1/models).")
     max_model_len = _counted_field("_max_model_len", "The smallest max_model_len it lists, if any.")
     tokenizer = _counted_field("_tokenizer", "Its tokenizer bundle, once loaded.")
