@@ -308,7 +308,7 @@ class Proxy:
                     endpoint, payload = "/v1/completions", self._continuation(plan, answer, replica)
                 elif plan.pd is not None and replica.spec.role == "decode":
                     record.pd = plan.pd.record
-                    matched = attempt.routed.decision.matched_blocks.get(replica.name, 0)
+                    matched = attempt.decision.matched_blocks.get(replica.name, 0)
                     leg = await self.pd.decode_leg(plan, record, replica, matched * self.router.state.block_size,
                                                    plan.pd)
                     endpoint, payload = record.endpoint, leg.payload

@@ -41,6 +41,10 @@ LEARN_ALPHA = 0.2
 LEARN_SAMPLES = 8
 LEARN_REFRESH = 0.1
 PREFILL_RATE_HINT = 2.0
+# A learning policy's commit (approximate mode's guess, cache_aware's branch points) for a prompt of
+# at most this many blocks is made as the decision is (~0.7 us, the usual prompt); a longer one's
+# on the next loop turn.
+COMMIT_NOW_BLOCKS = 64
 # A non-streamed answer times nothing (it arrives whole), so the first TIMED_FIRST non-streamed
 # requests of a model, and one in TIMED_EVERY after, are relayed from a streamed replica anyway
 # (times_non_stream): the load model learns from traffic that never streams too. A relayed answer
@@ -281,30 +285,37 @@ class Router:
         # The load each candidate looked like when it was chosen (the record explains the choice).
         estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
         if policy.learns:
-            try:
-                # Approximate mode's guess (a 500-block insert for an 8k prompt) is recorded off the
-                # decision path: on the next loop turn, once the request is on its way upstream.
-                (self.loop or asyncio.get_running_loop()).call_soon(policy.commit, decision)
-            except RuntimeError:  # no loop (called from plain code): record it now
-                policy.commit(decision)
-        return RoutedAttempt(self, Attempt(state, decision, model, len(prompt_token_ids), hashes), estimates)
+            if len(hashes) <= COMMIT_NOW_BLOCKS:
+                policy.commit(decision)  # while the decision is in the cache: a callback later cost ~3 us more
+            else:
+                try:
+                    # A long prompt's guess (a 500-block insert for an 8k prompt) is recorded off the
+                    # decision path: on the next loop turn, once the request is on its way upstream.
+                    (self.loop or asyncio.get_running_loop()).call_soon(policy.commit, decision)
+                except RuntimeError:  # no loop (called from plain code): record it now
+                    policy.commit(decision)
+        return RoutedAttempt(self, state, decision, model, len(prompt_token_ids), hashes, estimates)
 
 
-class RoutedAttempt:
-    """One try of one request on the replica its policy chose. Leaving the `with` block ends it,
-    however the try ended: `cached_tokens` (set from the replica's usage, if it said) is what
-    corrects approximate mode's table."""
-    __slots__ = ("router", "routed", "replica", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
-                 "batch", "decode_sample", "retried_after", "_mode", "_estimates", "_log")
+class RoutedAttempt(Attempt):
+    """One try of one request on the replica its policy chose: routing/attempt.py's bookkeeping
+    (one object, not one wrapping the other: a try is on every request's path), plus what the
+    gateway adds to it (metrics, KV-event expectations, the learned prefill and decode rates, the
+    record's explanation). Leaving the `with` block ends it, however the try ended:
+    `cached_tokens` (set from the replica's usage, if it said) is what corrects approximate mode's
+    table."""
+    __slots__ = ("router", "cached_tokens", "first_token_s", "routed_s", "prefill_sample", "batch",
+                 "decode_sample", "retried_after", "_mode", "_estimates", "_log")
 
-    def __init__(self, router: Router, routed: Attempt, estimates: dict | None) -> None:
+    def __init__(self, router: Router, state: RoutingState, decision: Decision, model: str, prompt_tokens: int,
+                 hashes: Sequence[int], estimates: dict | bytes | None) -> None:
+        Attempt.__init__(self, state, decision, model, prompt_tokens, hashes)
         self.router = router
-        self.routed = routed
-        self.replica = routed.replica
+        replica = self.replica
         self.cached_tokens: int | None = None
         self.first_token_s: float | None = None   # perf_counter when this try's first token came
         self.routed_s = time.perf_counter()
-        load = routed.state.tracker.replicas.get(self.replica)
+        load = state.tracker.replicas.get(replica)
         # Its first token can time the replica's prefill (Router.observe_prefill): nothing of ours
         # is queued ahead of it (the caller clears it when the first token is the whole answer).
         self.prefill_sample = load is not None and load.waiting <= 1
@@ -312,17 +323,12 @@ class RoutedAttempt:
         # (tokens after the first, seconds they took), set by the caller for a try that streamed
         # its whole answer: times the replica's decode step (Router.observe_decode)
         self.decode_sample: tuple[int, float] | None = None
-        decision: Decision = routed.decision
         # The record's explanation is built when first read (the record is written after the
         # answer), not before the request goes upstream: what it says is fixed now.
-        self._mode = "precise" if router.precise.get(self.replica) else "approximate"
+        self._mode = "precise" if router.precise.get(replica) else "approximate"
         self._estimates = estimates
         self._log: dict | None = None
         self.retried_after: list[str] | None = None  # the replicas this request failed on before
-
-    @property
-    def started_decoding(self) -> bool:
-        return self.routed.started_decoding
 
     @property
     def log(self) -> dict:
@@ -330,7 +336,7 @@ class RoutedAttempt:
         routing mode, each candidate's load estimate, the replicas tried before."""
         out = self._log
         if out is None:
-            out = self._log = self.routed.decision.as_log()
+            out = self._log = self.decision.as_log()
             out["mode"] = self._mode
             estimates = self._estimates
             if type(estimates) is bytes:  # the decision's own, written as JSON when it was made
@@ -344,20 +350,19 @@ class RoutedAttempt:
     def log_json(self):
         """`log` as the record's JSON (routing.policy.routing_json), built once, at the record's
         encoding; the dict where the C writer was not built."""
-        raw = routing_json(self.routed.decision, self._mode, self._estimates, self.retried_after or None)
+        raw = routing_json(self.decision, self._mode, self._estimates, self.retried_after or None)
         return self.log if raw is None else raw
 
     def first_token(self) -> None:
         """The replica prefilled the prompt: its first token (or, not streamed, its answer) came."""
-        routed = self.routed
-        if not routed.first_token():
+        if not Attempt.first_token(self):
             return
         self.first_token_s = time.perf_counter()
-        state = routed.state
+        state = self.state
         load = state.tracker.replicas.get(self.replica)
         self.batch = load.decoding if load is not None else 1
-        if self.router.precise.get(self.replica) and (routed.prompt_tokens // state.block_size
-                                                      > routed.predicted_cached_tokens // state.block_size):
+        if self.router.precise.get(self.replica) and (self.prompt_tokens // state.block_size
+                                                      > self.predicted_cached_tokens // state.block_size):
             # It just prefilled full blocks it did not hold: their BlockStored events must follow.
             self.router.expect_events.setdefault(self.replica, state.clock())
 
@@ -366,15 +371,15 @@ class RoutedAttempt:
 
     def __exit__(self, *_exc) -> None:
         router, replica = self.router, self.replica
-        if self.routed.done:
+        if self.done:
             return
-        predicted = self.routed.predicted_cached_tokens
+        predicted = self.predicted_cached_tokens
         if self.cached_tokens is not None:
             # The try's predicted and reported cached tokens, counted together as it ends.
             metrics = router.metrics
             metrics.add(metrics.reported_cached_tokens, replica, self.cached_tokens,
                         metrics.predicted_cached_tokens if predicted else None, predicted)
-            uncached = self.routed.prompt_tokens - self.cached_tokens
+            uncached = self.prompt_tokens - self.cached_tokens
             if self.prefill_sample and self.first_token_s is not None and uncached >= PREFILL_RATE_MIN_TOKENS:
                 router.observe_prefill(replica, uncached, self.first_token_s - self.routed_s)
         elif predicted:
@@ -382,7 +387,7 @@ class RoutedAttempt:
             metrics.add(metrics.predicted_cached_tokens, replica, predicted)
         if self.decode_sample is not None and self.decode_sample[0] >= DECODE_MIN_TOKENS - 1:
             router.observe_decode(replica, self.batch, *self.decode_sample)
-        self.routed.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
+        self.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
 
 
 def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog] | bytes:

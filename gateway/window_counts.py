@@ -15,23 +15,27 @@ SLICES = 20
 
 
 class WindowCounts:
-    __slots__ = ("window_s", "slice_s", "_slices")
+    __slots__ = ("window_s", "slice_s", "_slices", "_last", "_ends_s")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.slice_s = window_s / SLICES
         self._slices: deque[list] = deque()  # [slice start, total, marked], oldest first
+        self._last = [0.0, 0, 0]  # the newest slice (a spare one before the first event)
+        self._ends_s = float("-inf")  # when the newest slice ends: an event from then opens another
 
     def add(self, now_s: float, total: int = 1, marked: int = 0) -> None:
         """Count events at now_s (loop or monotonic time, one clock per window)."""
-        slices = self._slices
-        last = slices[-1] if slices else None
-        if last is None or now_s - last[0] >= self.slice_s:
-            last = [now_s, 0, 0]
-            slices.append(last)
-            self._drop_before(now_s - self.window_s)
+        last = self._last if now_s < self._ends_s else self._open(now_s)
         last[1] += total
         last[2] += marked
+
+    def _open(self, now_s: float) -> list:
+        last = self._last = [now_s, 0, 0]
+        self._ends_s = now_s + self.slice_s
+        self._slices.append(last)
+        self._drop_before(now_s - self.window_s)
+        return last
 
     def totals(self, now_s: float) -> tuple[int, int]:
         """(total, marked) over the window that ends at now_s."""
@@ -44,6 +48,7 @@ class WindowCounts:
 
     def clear(self) -> None:
         self._slices.clear()
+        self._ends_s = float("-inf")
 
     def _drop_before(self, horizon_s: float) -> None:
         slices = self._slices
