@@ -128,6 +128,7 @@ class Proxy:
 
     async def start(self, app: web.Application | None = None) -> None:
         self.loop = self.router.loop = asyncio.get_running_loop()
+        self.request_log.bind(self.loop)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._aiohttp(request, "/v1/completions", decode_completion)

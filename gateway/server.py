@@ -258,6 +258,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None,
     finally:
         started = time.monotonic()
         await runner.cleanup()
+        app["proxy"].request_log.flush()  # the last loop turn's records, before the loop goes
         log.info("gateway_stopped", drain_s=round(time.monotonic() - started, 3))
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

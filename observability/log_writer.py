@@ -46,13 +46,17 @@ class LogWriter:
 
     def write(self, line: bytes) -> None:
         """Hand one line over (without its newline)."""
+        self.write_many([line])
+
+    def write_many(self, lines: list) -> None:
+        """Hand lines over, in order (each without its newline)."""
         with self._lock:
-            if self._closing:  # after close (interpreter shutdown): write it ourselves, in order
-                self._write_batch([line])
+            if self._closing:  # after close (interpreter shutdown): write them ourselves, in order
+                self._write_batch(lines)
                 return
-            self._pending.append(line)
-            self._pending_bytes += len(line) + 1 if type(line) is bytes else len(line[0]) + 1
-            self._handed += 1
+            self._pending += lines
+            self._pending_bytes += sum([len(line) + 1 if type(line) is bytes else len(line[0]) + 1 for line in lines])
+            self._handed += len(lines)
             if self._idle:
                 self._idle = False
                 self._wake.notify()

@@ -166,17 +166,25 @@ class JsonSink:
         left out: the line info() would write for its fields, with no dict built or merged and
         each key written from the Struct's own encoded names. A context other than the worker's
         number (gateway/worker.py binds `worker`) takes info()'s way."""
+        self.lines(event, [line])
+
+    def lines(self, event: str, lines: list) -> None:
+        """line() for several, handed to the writer together (one lock, one wake-up at most)."""
         context = structlog.contextvars.get_contextvars()
-        if context:
-            worker = context.get("worker", msgspec.UNSET)
-            if len(context) > (worker is not msgspec.UNSET):
+        worker = context.get("worker", msgspec.UNSET) if context else msgspec.UNSET
+        if context and len(context) > (worker is not msgspec.UNSET):
+            for line in lines:
                 self.info(event, struct_fields(line))
-                return
+            return
+        now, encode = datetime.now(_UTC), _encoder.encode
+        out = []
+        for line in lines:
             line.worker = worker
-        line.event = event
-        line.level = "info"
-        line.timestamp = datetime.now(_UTC)  # msgspec writes what TimeStamper(fmt="iso", utc=True) does
-        self.writer.write(_encoder.encode(line))
+            line.event = event
+            line.level = "info"
+            line.timestamp = now
+            out.append(encode(line))
+        self.writer.write_many(out)
 
 
 _UTC = timezone.utc

@@ -4,7 +4,10 @@ The record is filled as the request progresses and emitted exactly once, from th
 `finally`, whatever happened (success, upstream error, client disconnect)."""
 from __future__ import annotations
 
+import atexit
+import threading
 import time
+import weakref
 from array import array
 from typing import Any, Literal
 
@@ -180,14 +183,26 @@ class RecordLine(msgspec.Struct, kw_only=True, gc=False):
 class RequestLog:
     """Emits records with the configured token-ID policy; a second emit of one record is a no-op.
 
-    In JSON mode a record goes straight to the log writer (observability/logs.py json_sink: one
-    msgspec encode on the loop, the write on the writer thread); otherwise, or with a `logger` of
-    its own, through structlog."""
+    In JSON mode a record goes to the log writer (observability/logs.py json_sink: msgspec
+    encodes on the loop, the write on the writer thread); otherwise, or with a `logger` of its
+    own, through structlog. Bound to the serving loop (`bind`), the records emitted on it are
+    written together once a loop turn (`flush`): a record's line, its encoding and the writer's
+    handover each cost ~3x more one at a time between requests than run back to back (CPU a
+    request at saturation, bench/README, "Thirty-third session"). `flush()` writes what is
+    pending at once (the gateway's shutdown; the process's exit)."""
 
     def __init__(self, token_ids: TokenIdPolicy = "full", logger=None) -> None:
         self.token_ids = token_ids
         self._own_logger = logger is not None
         self._log = logger or structlog.get_logger("kvgate.request")
+        self._loop = None        # the serving loop (bind): its records are written once a turn
+        self._loop_thread = None
+        self._pending: list[RequestRecord] = []
+
+    def bind(self, loop) -> None:
+        """Batch the records emitted on `loop`'s thread from now on (the gateway's startup)."""
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        _bound.add(self)
 
     def emit(self, record: RequestRecord) -> bool:
         if record._emitted:
@@ -195,9 +210,39 @@ class RequestLog:
         record._emitted = True
         if record.finished_s is None:
             record.finished_s = time.perf_counter()
-        sink = None if self._own_logger else json_sink()
-        if sink is not None:
-            sink.line("request", record.as_line(self.token_ids, routing_json=True))
-        else:
-            self._log.info("request", **record.as_fields(self.token_ids))
+        if self._loop is not None and threading.get_ident() == self._loop_thread:
+            pending = self._pending
+            pending.append(record)
+            if len(pending) == 1:
+                self._loop.call_soon(self.flush)
+            return True
+        self._write([record])
         return True
+
+    def flush(self) -> None:
+        """Write the records emitted and not written yet, in order."""
+        pending = self._pending
+        if pending:
+            self._pending = []
+            self._write(pending)
+
+    def _write(self, records: list[RequestRecord]) -> None:
+        sink = None if self._own_logger else json_sink()
+        token_ids = self.token_ids
+        if sink is not None:
+            sink.lines("request", [record.as_line(token_ids, routing_json=True) for record in records])
+            return
+        for record in records:
+            self._log.info("request", **record.as_fields(token_ids))
+
+
+# Request logs bound to a loop: what they hold is written at the process's exit, before the log
+# writer closes (atexit runs in reverse order of registration; a line handed to a closed writer is
+# written at once all the same).
+_bound: "weakref.WeakSet[RequestLog]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_bound() -> None:
+    for request_log in list(_bound):
+        request_log.flush()
