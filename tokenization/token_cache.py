@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 from itertools import accumulate
@@ -102,10 +101,12 @@ class TokenCache:
         split = splitter is not None and len(text) >= 64
         if not split:
             keys: list = [text]
+        elif len(parts := splitter.split(text)) == 1 and (len(text) <= 2 * CHUNK_CHARS or not self._chunks):
+            keys = parts  # one stretch of plain text (a short completions prompt): cached whole
         else:
             keys = []  # a piece's text, or an added token's ID
             special = self._special_ids
-            for index, piece in enumerate(splitter.split(text)):
+            for index, piece in enumerate(parts):
                 if index & 1:  # the captured added token
                     keys.append(special[piece])
                 elif not piece:
@@ -160,6 +161,8 @@ class TokenCache:
         found = lookup.found
         if len(found) == 1 and encoded:
             ids = encoded[0]
+        elif len(found) == 1 and found[0].__class__ is not int:
+            ids = list(found[0])  # one piece, cached
         else:
             ids = []
             fresh = iter(encoded)
@@ -256,7 +259,7 @@ class Lookup:
         self.found = found
         self.misses = misses
         self.split = split  # cut at added tokens and words (checked against whole encodes while checks are left)
-        self.missing_chars = sum(map(len, misses))
+        self.missing_chars = sum(map(len, misses)) if misses else 0
 
 
 def _chunks(text: str) -> list[str]:
@@ -289,19 +292,19 @@ def _added_token_splitter(config: dict) -> tuple[re.Pattern | None, dict[str, in
     return re.compile(pattern), special
 
 
-_caches: "weakref.WeakKeyDictionary[TokenizerBundle, TokenCache]" = weakref.WeakKeyDictionary()
 _caches_lock = threading.Lock()
 
 
 def token_cache(bundle: TokenizerBundle) -> TokenCache:
-    """The bundle's cache, made on first use."""
-    cache = _caches.get(bundle)
-    if cache is None:
+    """The bundle's cache, made on first use and kept on the bundle (one attribute read a request)."""
+    try:
+        return bundle._token_cache
+    except AttributeError:
         with _caches_lock:
-            cache = _caches.get(bundle)
+            cache = bundle.__dict__.get("_token_cache")
             if cache is None:
-                cache = _caches[bundle] = TokenCache(bundle)
-    return cache
+                cache = bundle._token_cache = TokenCache(bundle)
+        return cache
 
 
 def warmed(bundle: TokenizerBundle) -> TokenizerBundle:
