@@ -640,7 +640,7 @@ class Proxy:
         finally:
             self.pool.report(replica, ok=True)
             choice = reply.choices[0] if reply.choices else None
-            record.output_token_ids = list(choice.token_ids or ()) if choice is not None else []
+            record.output_token_ids = (choice.token_ids or []) if choice is not None else []  # the reply's own list
             record.finish_reason = choice.finish_reason if choice is not None else None
             record.completion_tokens = len(record.output_token_ids)
             details = reply.usage.prompt_tokens_details if reply.usage is not None else None

@@ -59,7 +59,24 @@ class Chunk(msgspec.Struct):
     kv_transfer_stats: Any = None                # a P/D decode leg's, for the record only
 
 
+class AnswerChoice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+class AnswerUsage(msgspec.Struct):
+    prompt_tokens_details: PromptDetails | None = None
+
+
+class AnswerFacts(msgspec.Struct):
+    """What the gateway reads of a non-streamed answer that passes through (decode_answer): the
+    other members are skipped by the decoder, no object made for them."""
+    choices: list[AnswerChoice] | None = None
+    usage: AnswerUsage | None = None
+
+
 _batch_decoder = msgspec.json.Decoder(list[Chunk])
+_answer_decoder = msgspec.json.Decoder(AnswerFacts)
 _one_decoder = msgspec.json.Decoder(Chunk)
 _any_decoder = msgspec.json.Decoder()
 
@@ -191,11 +208,11 @@ def _strip_compact(payload: bytes, key: bytes) -> bytes:
     return b"".join(pieces)
 
 
-def decode_answer(payload: bytes) -> Chunk:
-    """A non-streamed answer read as a chunk (its choices' token IDs and finish reasons, its
-    usage; a chat choice's `message` is skipped). Raises msgspec.DecodeError (ValidationError
-    included) for one that is not an OpenAI response."""
-    return _one_decoder.decode(payload)
+def decode_answer(payload: bytes) -> AnswerFacts:
+    """A non-streamed answer's choices (their token IDs and finish reasons) and its cached
+    tokens; the rest (texts, a chat choice's `message`) is skipped. Raises msgspec.DecodeError
+    (ValidationError included) for one that is not an OpenAI response."""
+    return _answer_decoder.decode(payload)
 
 
 def as_dict(payload: bytes) -> dict:
