@@ -74,6 +74,11 @@ _report = m.ReplicaPool.report
 m.ReplicaPool.report = lambda self, replica, ok, reason=None, fatal=False: (
     None if ok else _report(self, replica, ok, reason, fatal))
 """),
+    "metrics": ("the request's metrics: its counts, latencies and cached tokens folded in", """
+import observability.metrics as m
+m.GatewayMetrics.observe_record = lambda self, record: None
+m.GatewayMetrics.add = lambda self, metric, replica, amount=1, also=None, also_amount=0: None
+"""),
     "retry_budget": ("the retry budget's count of each request", """
 import gateway.retry_budget as m
 m.RetryBudget.on_request = lambda self, now_s: None
