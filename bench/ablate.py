@@ -76,7 +76,7 @@ m.ReplicaPool.report = lambda self, replica, ok, reason=None, fatal=False: (
 """),
     "metrics": ("the request's metrics: its counts, latencies and cached tokens folded in", """
 import observability.metrics as m
-m.GatewayMetrics.observe_record = lambda self, record: None
+m.GatewayMetrics.observe_records = lambda self, records: None
 m.GatewayMetrics.add = lambda self, metric, replica, amount=1, also=None, also_amount=0: None
 """),
     "retry_budget": ("the retry budget's count of each request", """

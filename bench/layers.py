@@ -84,8 +84,7 @@ class LeanOverParts:
                 pool.report(replica, ok=True)
                 attempt.cached_tokens = record.cached_tokens
         finally:
-            proxy.request_log.emit(record)
-            proxy.metrics.observe_record(record)
+            proxy.request_log.emit(record)  # its metrics too
 
 
 def serve_with_lean_listener(config_path: str, lean_port: int) -> int:

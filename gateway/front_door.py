@@ -93,8 +93,7 @@ class FrontDoor:
         record = RequestRecord(request_id, request.path)
         record.key = key
         record.fail(err.status, err.message)
-        self.request_log.emit(record)
-        self.metrics.observe_record(record)
+        self.request_log.emit(record)  # its metrics too
         if isinstance(err, RequestTimeout) and isinstance(request.protocol, GuardedHandler):
             request.protocol.close_after_response()
         if isinstance(err, (RequestTimeout, PayloadTooLarge)):

@@ -144,13 +144,12 @@ class HotPath:
         await self.proxy.handle(exchange, endpoint, decode)
 
     async def refuse(self, exchange: "HotExchange", path: str, err: APIError, key: str | None = None) -> None:
-        """What FrontDoor._refused does: the request's one record, its metrics, the error."""
+        """What FrontDoor._refused does: the request's one record (its metrics with it), the error."""
         door = self.door
         record = RequestRecord(exchange.request_id, path, exchange.arrived_s)
         record.key = key
         record.fail(err.status, err.message)
-        door.request_log.emit(record)
-        door.metrics.observe_record(record)
+        door.request_log.emit(record)  # its metrics too
         await exchange.respond_error(err, {})
 
     async def body_timed_out(self, conn: "HotProtocol", target: bytes, headers: CIMultiDict) -> None:

@@ -185,8 +185,7 @@ class Proxy:
         finally:
             self.active -= 1
             exchange.grant.settle()
-            self.request_log.emit(record)
-            self.metrics.observe_record(record)
+            self.request_log.emit(record)  # its metrics too (RequestLog.observe)
 
     @staticmethod
     async def _refuse(exchange: Exchange, err: APIError, headers: dict, record: RequestRecord) -> None:

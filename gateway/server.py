@@ -47,7 +47,7 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
     metrics = GatewayMetrics()
     pool = ReplicaPool(config, metrics)
     router = Router(config, metrics)
-    request_log = RequestLog(config.logging.token_ids)
+    request_log = RequestLog(config.logging.token_ids, observe=metrics.observe_records)
     gate = Gate(config, admin_token)
     guard = ConnectionGuard(config.limits, config.gateway.max_body_bytes)
     door = FrontDoor(gate, guard, request_log, metrics, lambda: router.config.routing.session_header)

@@ -172,26 +172,33 @@ class GatewayMetrics:
         return self._child(metric, replica)
 
     def observe_record(self, record) -> None:
-        """A finished request (its RequestRecord) into the request metrics, folded in with the next
-        flush: its replica and status, TTFT, token intervals, end to end time and token counts."""
-        started, first, finished = record.started_s, record.first_token_s, record.finished_s
-        if finished is None:
-            finished = time.perf_counter()
-        prompt_tokens, completion_tokens, itl_s = record.prompt_tokens, record.completion_tokens, record.itl_s
-        key = (record.replica or "none", record.status)
+        """A finished request (its RequestRecord) into the request metrics: observe_records."""
+        self.observe_records((record,))
+
+    def observe_records(self, records) -> None:
+        """Finished requests (RequestRecords) into the request metrics, folded in with the next
+        flush: their replicas and statuses, TTFTs, token intervals, end to end times and token
+        counts. The request log hands over a loop turn's records at once (RequestLog.observe)."""
+        now = None
         with self._lock:
-            counts = self._counts
-            counts[key] = counts.get(key, 0) + 1
-            if first is not None:
-                self._ttft.append(first - started)
-            if itl_s:
-                self._itl += itl_s
-            self._e2e.append(finished - started)
-            if prompt_tokens:
-                self._prompt_tokens += prompt_tokens
-            if completion_tokens:
-                self._completion_tokens += completion_tokens
-            self._pending += 1
+            counts, ttft, itl, e2e = self._counts, self._ttft, self._itl, self._e2e
+            prompt_total = completion_total = 0
+            for record in records:
+                started, first, finished = record.started_s, record.first_token_s, record.finished_s
+                if finished is None:
+                    finished = now = now or time.perf_counter()
+                key = (record.replica or "none", record.status)
+                counts[key] = counts.get(key, 0) + 1
+                if first is not None:
+                    ttft.append(first - started)
+                if record.itl_s:
+                    itl += record.itl_s
+                e2e.append(finished - started)
+                prompt_total += record.prompt_tokens or 0
+                completion_total += record.completion_tokens or 0
+            self._prompt_tokens += prompt_total
+            self._completion_tokens += completion_total
+            self._pending += len(records)
             full = self._pending >= FLUSH_EVERY
         if full:
             self.flush()

@@ -191,8 +191,9 @@ class RequestLog:
     request at saturation, bench/README, "Thirty-third session"). `flush()` writes what is
     pending at once (the gateway's shutdown; the process's exit)."""
 
-    def __init__(self, token_ids: TokenIdPolicy = "full", logger=None) -> None:
+    def __init__(self, token_ids: TokenIdPolicy = "full", logger=None, observe=None) -> None:
         self.token_ids = token_ids
+        self.observe = observe   # takes the records as they are written (the gateway's metrics)
         self._own_logger = logger is not None
         self._log = logger or structlog.get_logger("kvgate.request")
         self._loop = None        # the serving loop (bind): its records are written once a turn
@@ -216,7 +217,7 @@ class RequestLog:
             if len(pending) == 1:
                 self._loop.call_soon(self.flush)
             return True
-        self._write([record])
+        self._finish([record])
         return True
 
     def flush(self) -> None:
@@ -224,16 +225,38 @@ class RequestLog:
         pending = self._pending
         if pending:
             self._pending = []
-            self._write(pending)
+            self._finish(pending)
+
+    def _finish(self, records: list[RequestRecord]) -> None:
+        if self.observe is not None:
+            self.observe(records)
+        self._write(records)
 
     def _write(self, records: list[RequestRecord]) -> None:
+        """Their lines, in order. One that cannot be written (a bug) costs its own line only: it
+        is logged, and the others are written."""
         sink = None if self._own_logger else json_sink()
         token_ids = self.token_ids
         if sink is not None:
-            sink.lines("request", [record.as_line(token_ids, routing_json=True) for record in records])
+            try:
+                sink.lines("request", [record.as_line(token_ids, routing_json=True) for record in records])
+                return
+            except Exception:
+                if len(records) == 1:
+                    _unwritable(records[0])
+                    return
+            for record in records:  # nothing of the batch was handed over: one at a time
+                self._write([record])
             return
         for record in records:
-            self._log.info("request", **record.as_fields(token_ids))
+            try:
+                self._log.info("request", **record.as_fields(token_ids))
+            except Exception:
+                _unwritable(record)
+
+
+def _unwritable(record: RequestRecord) -> None:
+    structlog.get_logger("kvgate").exception("request_record_unwritable", request_id=record.request_id)
 
 
 # Request logs bound to a loop: what they hold is written at the process's exit, before the log

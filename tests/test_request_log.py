@@ -1,4 +1,5 @@
 """The request record's token-ID policy (DESIGN contract 4): full, hashed or off, one record each."""
+import asyncio
 import io
 import json
 
@@ -52,3 +53,51 @@ def test_tokens_of_one_read_time_as_the_events_that_brought_them_one_by_one():
     assert together.output_token_ids == apart.output_token_ids == [5, 6, 7, 8, 9, 10]
     assert together.itl_s == apart.itl_s == [0.5, 0.0, 0.0, 1.0, 0.0]
     assert together.ttft_s == apart.ttft_s == 1.0
+
+
+class _BrokenRouting:
+    """A record's routing whose explanation fails (a bug elsewhere): its line cannot be made."""
+    @property
+    def log(self):
+        raise RuntimeError("explanation failed")
+
+
+def test_records_of_a_loop_turn_are_written_together_in_order_and_a_broken_one_costs_only_its_own_line():
+    out = io.StringIO()
+    logger = structlog.wrap_logger(structlog.PrintLogger(out), processors=[structlog.processors.JSONRenderer()])
+    log = RequestLog("full", logger)
+
+    async def turn() -> tuple[int, int]:
+        log.bind(asyncio.get_running_loop())
+        for n in range(5):
+            record = RequestRecord(f"req-{n}", "/v1/completions")
+            record.prompt_token_ids = [n]
+            if n == 2:
+                record.routing = _BrokenRouting()
+            assert log.emit(record) is True
+            assert log.emit(record) is False  # still one line a request
+        before = len(out.getvalue().splitlines())  # nothing yet: the turn is not over
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return before, len(out.getvalue().splitlines())
+
+    before, after = asyncio.run(turn())
+    assert before == 0 and after == 4
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["request_id"] for line in lines] == ["req-0", "req-1", "req-3", "req-4"]
+    assert [line["prompt_token_ids"] for line in lines] == [[0], [1], [3], [4]]
+
+
+def test_records_still_pending_are_written_by_flush():
+    out = io.StringIO()
+    logger = structlog.wrap_logger(structlog.PrintLogger(out), processors=[structlog.processors.JSONRenderer()])
+    log = RequestLog("off", logger)
+    loop = asyncio.new_event_loop()
+    try:
+        log.bind(loop)
+        log.emit(RequestRecord("late", "/v1/completions"))  # the loop never turns again (a stop)
+        assert out.getvalue() == ""
+        log.flush()
+        assert json.loads(out.getvalue())["request_id"] == "late"
+    finally:
+        loop.close()
