@@ -286,7 +286,7 @@ class Router:
         estimates = _estimates(state, candidates, decision) if policy.name != "round_robin" else None
         if policy.learns:
             if len(hashes) <= COMMIT_NOW_BLOCKS:
-                policy.commit(decision)  # while the decision is in the cache: a callback later cost ~3 us more
+                policy.commit(decision)  # the usual prompt: no loop callback a request
             else:
                 try:
                     # A long prompt's guess (a 500-block insert for an 8k prompt) is recorded off the

@@ -8,8 +8,9 @@ session_affinity sticky session -> replica map (bounded, TTL) in front of anothe
 
 Policies decide and nothing else (routing.policy.Policy): routing.attempt counts what they route
 in the load tracker. cache_aware's approximate mode records the prompt's blocks as guessed on the
-chosen replica in `commit(decision)`, which the gateway calls once the request is on its way (off
-the decision path); the other policies' commit does nothing. Parameters: routing/params.py;
+chosen replica in `commit(decision)`, which the gateway calls right after the decision for a short
+prompt and once the request is on its way for a long one (gateway/router.py COMMIT_NOW_BLOCKS);
+the other policies' commit does nothing. Parameters: routing/params.py;
 the table of names: routing/registry.py.
 """
 from __future__ import annotations
@@ -270,8 +271,8 @@ class CacheAware:
     last block decides.
 
     `commit(decision)` records the prompt's blocks as guessed on the chosen replica (approximate
-    mode, learn_from_routing), off the decision path: the gateway calls it once the request is
-    on its way."""
+    mode, learn_from_routing), apart from choose(): the gateway calls it right after the decision
+    for a short prompt, once the request is on its way for a long one."""
     name = "cache_aware"
     timed = True
     reads_prefixes = True
@@ -498,7 +499,7 @@ class CacheAware:
         return h
 
     def commit(self, decision: CacheAwareDecision) -> None:
-        """What the policy learns from its own routing, off the decision path: where this prompt's
+        """What the policy learns from its own routing, apart from choose(): where this prompt's
         match ended (branch points), and in approximate mode that the chosen replica will hold the
         prompt's blocks (a guess, corrected by the cached tokens it reports)."""
         matched, hashes = decision._matched, decision.hashes
