@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-ab-latency-")))
         progress(f"checking out {args.against}")
-        trees = {"this tree": REPO_ROOT, args.against: worktree(args.against, workdir)}
-        stack.callback(subprocess.run, ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force",
-                                        str(trees[args.against])], capture_output=True)
+        trees = {"this tree": REPO_ROOT, args.against: worktree(args.against, workdir, stack)}
         stubs = [stack.enter_context(StubProcess(output_tokens=OUTPUT_TOKENS, stderr=subprocess.DEVNULL))
                  for _ in range(STUBS)]
         stub_urls = [stub.url for stub in stubs]

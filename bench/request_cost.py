@@ -197,12 +197,15 @@ def _callgrind_total(path: Path) -> int:
     return 0
 
 
-def worktree(revision: str, directory: Path) -> Path:
+def worktree(revision: str, directory: Path, stack: contextlib.ExitStack) -> Path:
     """A checkout of `revision` with its compiled extensions: this checkout's where the revision
-    has the same C source, else built there (`setup.py build_ext --inplace`, a few seconds a file)."""
+    has the same C source, else built there (`setup.py build_ext --inplace`, a few seconds a file).
+    Removed from git's worktrees when `stack` closes."""
     path = directory / f"tree-{re.sub(r'[^A-Za-z0-9_.-]', '_', revision)}"
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f", str(path), revision],
                    check=True, capture_output=True, text=True)
+    stack.callback(subprocess.run, ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(path)],
+                   capture_output=True)
     differ = False
     for built in REPO_ROOT.glob("*/_*.so"):  # every package's (a package left out ran its pure-Python fallback)
         package = built.parent.name
@@ -252,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(scratch)
         trees = {"this tree": REPO_ROOT}
         if args.against:
-            trees[args.against] = worktree(args.against, directory)
-            stack.callback(subprocess.run, ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force",
-                                            str(trees[args.against])], capture_output=True)
+            trees[args.against] = worktree(args.against, directory, stack)
         stubs = [stack.enter_context(StubProcess(output_tokens=OUTPUT_TOKENS, stderr=subprocess.DEVNULL))
                  for _ in range(4)]
         started = time.monotonic()

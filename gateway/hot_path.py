@@ -59,6 +59,8 @@ except ImportError:  # no C compiler at install: every head goes through llhttp,
 # False: no sched_yield after a lone stream's first write (see HotExchange._first_out); off where
 # the OS has none.
 LET_CLIENT_RUN = hasattr(os, "sched_yield")
+# A whole response whose body is shorter leaves with its head, in one bytes object and one write.
+INLINE_BODY_BYTES = 65536
 _TASK_NAME = "kvgate-request"  # every hot request's task (see HotProtocol._next)
 NATIVE = True  # False: llhttp for every head even where the C reader was built (tests compare the two),
 # and every response head made in Python
@@ -352,7 +354,7 @@ class HotExchange(Exchange):
                     content_type: str = "application/json") -> bool:
         if self.hot.hooks:  # they are awaited: respond()
             return False
-        small = len(body) < 65536  # a short body leaves with its head, in one bytes object and one write
+        small = len(body) < INLINE_BODY_BYTES
         head = self._head_now(status, {**headers, "Content-Type": content_type}, f"Content-Length: {len(body)}",
                               body if small else b"")
         self._send_whole(head, b"" if small else body)
@@ -362,7 +364,7 @@ class HotExchange(Exchange):
                       content_type: str = "application/json") -> None:
         if self.respond_now(status, body, headers, content_type):
             return
-        small = len(body) < 65536
+        small = len(body) < INLINE_BODY_BYTES
         head = await self._head(status, {**headers, "Content-Type": content_type}, f"Content-Length: {len(body)}",
                                 body if small else b"")
         self._send_whole(head, b"" if small else body)

@@ -237,26 +237,17 @@ class RequestLog:
         is logged, and the others are written."""
         sink = None if self._own_logger else json_sink()
         token_ids = self.token_ids
-        if sink is not None:
-            try:
-                sink.lines("request", [record.as_line(token_ids, routing_json=True) for record in records])
-                return
-            except Exception:
-                if len(records) == 1:
-                    _unwritable(records[0])
-                    return
-            for record in records:  # nothing of the batch was handed over: one at a time
-                self._write([record])
-            return
+        lines = []  # for the JSON sink, handed over together
         for record in records:
             try:
-                self._log.info("request", **record.as_fields(token_ids))
+                if sink is not None:
+                    lines.append(record.as_line(token_ids, routing_json=True))
+                else:
+                    self._log.info("request", **record.as_fields(token_ids))
             except Exception:
-                _unwritable(record)
-
-
-def _unwritable(record: RequestRecord) -> None:
-    structlog.get_logger("kvgate").exception("request_record_unwritable", request_id=record.request_id)
+                structlog.get_logger("kvgate").exception("request_record_unwritable", request_id=record.request_id)
+        if lines:
+            sink.lines("request", lines)
 
 
 # Request logs bound to a loop: what they hold is written at the process's exit, before the log

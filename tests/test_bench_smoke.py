@@ -248,7 +248,7 @@ def test_request_cost_counts_another_revision_with_every_compiled_extension(tmp_
     """`bench.request_cost --against REV` checks REV out beside this tree and copies in this tree's
     compiled extensions: every one whose C source REV has, in any package. One left out runs its
     pure-Python fallback there and flatters every ratio (protocol/_strip_ids was, for a session)."""
-    import subprocess
+    import contextlib
 
     from bench.request_cost import REPO_ROOT, worktree
 
@@ -256,11 +256,9 @@ def test_request_cost_counts_another_revision_with_every_compiled_extension(tmp_
              if (p.parent / (p.name.split(".")[0] + ".c")).exists()]
     if not built:
         pytest.skip("no compiled extension in this checkout (no C compiler at install)")
-    path = worktree("HEAD", tmp_path)
-    try:
+    with contextlib.ExitStack() as stack:  # the worktree is removed when it closes
+        path = worktree("HEAD", tmp_path, stack)
         assert [str(b) for b in built if not (path / b).exists()] == []
-    finally:
-        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
 
 
 def test_a_capped_process_gets_its_share_of_a_core_and_its_cgroup_goes_away_after():
