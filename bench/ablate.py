@@ -88,7 +88,8 @@ import msgspec, routing.policies as m
 m.CacheAwareDecision.explain_json = lambda decision, mode, estimates, retried_after: msgspec.Raw(b"{}")
 """),
     "estimates": ("each candidate's load estimate for the record (cache_aware)", """
-import gateway.router as r, routing.load as m
+import gateway.router as r, routing.load as m, routing.policies as p
+p.RECORD_ESTIMATES = None  # cache_aware's choice asks for none
 _loads = m.LoadTracker.loads_and_delays
 def _without(self, replicas, now, estimates=False):
     out = _loads(self, replicas, now, False)

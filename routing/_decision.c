@@ -1561,6 +1561,295 @@ done:
     return raw;
 }
 
+/* ---- cache_aware's whole choice and its commit, one call each ------------------------------------
+
+   choose_cache_aware(policy, candidates, request, estimate) -> CacheAwareDecision | None
+   commit_cache_aware(policy, decision) -> True | None
+
+   CacheAware.choose and CacheAware.commit (routing/policies.py, their Python lines the reference;
+   tests compare the two) without the Python between the C calls they make: the policy's and the
+   request's attributes read here, table_match (routing/_prefix_match.c), loads_and_delays and
+   decide above called in place, the branch point looked up, the decision made. A tie decide
+   leaves goes to the policy's _after_load_step, as in choose. None where the Python lines serve,
+   before anything is changed: no candidates, no block hashes given, no table for the model yet, a
+   table or tracker the C calls decline; for commit, a guess table_guess declines. Each saves ~200
+   (choose) and ~70 (commit) Python opcodes a request (bench/README, "Thirty-fourth session"). */
+
+static PyObject *table_match_fn, *table_guess_fn, *decision_type;  /* set_choose_parts */
+static long long branch_shared = 1, branch_points_kept = 1 << 16;
+static PyObject *s_state, *s_tracker, *s_block_hashes, *s_tables, *s_block_size, *s_prompt_token_ids,
+    *s_min_match_blocks, *s_follow_min_fraction, *s__branch_points, *s_prefill_weight, *s_queue_weight,
+    *s_balance_factor, *s_balance_slack, *s_follow_slack, *s_follow_abs_slack, *s__name_hash,
+    *s__after_load_step, *s_learn_from_routing, *s_table, *s_hashes, *s_pop, *s_popitem, *s_last;
+
+static PyObject *set_choose_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_choose_parts(table_match, table_guess, decision_type, branch_shared, branch_points_kept)");
+        return NULL;
+    }
+    long long shared = PyLong_AsLongLong(args[3]), kept = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    Py_XSETREF(table_match_fn, Py_NewRef(args[0]));
+    Py_XSETREF(table_guess_fn, Py_NewRef(args[1]));
+    Py_XSETREF(decision_type, Py_NewRef(args[2]));
+    branch_shared = shared;
+    branch_points_kept = kept;
+    Py_RETURN_NONE;
+}
+
+/* The list of ints `matched`'s deepest value (0 for an empty one); -1 with an exception set. */
+static long long deepest_of(PyObject *matched) {
+    if (!PyList_Check(matched)) {
+        PyErr_SetString(PyExc_TypeError, "cache_aware: the matches must be a list");
+        return -1;
+    }
+    long long deepest = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(matched); i++) {
+        long long value = PyLong_AsLongLong(PyList_GET_ITEM(matched, i));
+        if (value == -1 && PyErr_Occurred()) return -1;
+        if (i == 0 || value > deepest) deepest = value;
+    }
+    return deepest;
+}
+
+enum { C_STATE, C_TRACKER, C_HASHES, C_TABLES, C_MODEL, C_TABLE, C_CLOCK, C_NOW, C_MATCHED, C_LAD, C_PROMPT,
+       C_BLOCK, C_MIN_MATCH, C_FRACTION, C_POINTS, C_KEY, C_PROMPT_TOKENS, C_PREFILL_WEIGHT, C_QUEUE_WEIGHT,
+       C_FACTOR, C_SLACK, C_FOLLOW_SLACK, C_FOLLOW_ABS, C_NAME_HASH, C_DECIDED, C_AFTER, C_DEEPEST, C_N_BLOCKS,
+       C_CACHED, C_TUPLE, C_COUNT };
+
+static PyObject *choose_cache_aware(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "choose_cache_aware(policy, candidates, request, estimate)");
+        return NULL;
+    }
+    if (decision_type == NULL) Py_RETURN_NONE;
+    PyObject *policy = args[0], *candidates = args[1], *request = args[2];
+    PyObject *o[C_COUNT] = {NULL};
+    PyObject *out = NULL;
+    Py_ssize_t n = PyObject_Length(candidates), n_blocks;
+    if (n < 0) return NULL;
+    if (n == 0) Py_RETURN_NONE;  /* the Python lines say why */
+    if ((o[C_STATE] = PyObject_GetAttr(policy, s_state)) == NULL
+        || (o[C_HASHES] = PyObject_GetAttr(request, s_block_hashes)) == NULL
+        || (n_blocks = PyObject_Length(o[C_HASHES])) < 0)
+        goto done;
+    if (n_blocks == 0) {  /* hashes to make (state.hashes), or none to match: the Python lines */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((o[C_TABLES] = PyObject_GetAttr(o[C_STATE], s_tables)) == NULL
+        || (o[C_MODEL] = PyObject_GetAttr(request, s_model)) == NULL)
+        goto done;
+    if (PyDict_CheckExact(o[C_TABLES])) {
+        o[C_TABLE] = PyDict_GetItemWithError(o[C_TABLES], o[C_MODEL]);
+        Py_XINCREF(o[C_TABLE]);
+        if (o[C_TABLE] == NULL && PyErr_Occurred()) goto done;
+    }
+    if (o[C_TABLE] == NULL) {  /* the model's first request: state.table() makes its table */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((o[C_TRACKER] = PyObject_GetAttr(o[C_STATE], s_tracker)) == NULL
+        || (o[C_CLOCK] = PyObject_GetAttr(o[C_STATE], s_clock)) == NULL
+        || (o[C_NOW] = PyObject_CallNoArgs(o[C_CLOCK])) == NULL)
+        goto done;
+    PyObject *match_args[4] = {o[C_TABLE], o[C_HASHES], o[C_NOW], candidates};
+    if ((o[C_MATCHED] = PyObject_Vectorcall(table_match_fn, match_args, 4, NULL)) == NULL) goto done;
+    if (o[C_MATCHED] == Py_None) {  /* a table the C match declines */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *lad_args[4] = {o[C_TRACKER], candidates, o[C_NOW], args[3]};
+    if ((o[C_LAD] = loads_and_delays(NULL, lad_args, 4)) == NULL) goto done;
+    if (o[C_LAD] == Py_None) {  /* a replica not tracked yet */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    long long deepest = deepest_of(o[C_MATCHED]);
+    if (deepest < 0) goto done;
+    if (PyList_GET_SIZE(o[C_MATCHED]) != n) {
+        PyErr_SetString(PyExc_ValueError, "choose_cache_aware: not one match a candidate");
+        goto done;
+    }
+    Py_ssize_t prompt_tokens;
+    if ((o[C_PROMPT] = PyObject_GetAttr(request, s_prompt_token_ids)) == NULL
+        || (prompt_tokens = PyObject_Length(o[C_PROMPT])) < 0
+        || (o[C_BLOCK] = PyObject_GetAttr(o[C_STATE], s_block_size)) == NULL
+        || (o[C_MIN_MATCH] = PyObject_GetAttr(policy, s_min_match_blocks)) == NULL
+        || (o[C_FRACTION] = PyObject_GetAttr(policy, s_follow_min_fraction)) == NULL
+        || (o[C_POINTS] = PyObject_GetAttr(policy, s__branch_points)) == NULL)
+        goto done;
+    long long block = PyLong_AsLongLong(o[C_BLOCK]);
+    double fraction = as_double(o[C_FRACTION]);
+    int truth = PyObject_IsTrue(o[C_MIN_MATCH]);
+    if (truth < 0 || PyErr_Occurred()) goto done;
+    if (!truth) Py_SETREF(o[C_MIN_MATCH], PyLong_FromLong(1));  /* `self.min_match_blocks or 1` */
+    int shared_prefix = 0;
+    if (deepest && (double)(deepest * block) < fraction * (double)prompt_tokens) {
+        /* All that is cached is a prefix other requests branch off too, and a small part of this
+           prompt: it does not steer (see CacheAware.choose). */
+        PyObject *item = PySequence_GetItem(o[C_HASHES], (Py_ssize_t)(deepest - 1));
+        if (item == NULL) goto done;
+        o[C_KEY] = PyNumber_Long(item);
+        Py_DECREF(item);
+        if (o[C_KEY] == NULL || !PyDict_Check(o[C_POINTS])) {
+            if (o[C_KEY] != NULL) PyErr_SetString(PyExc_TypeError, "cache_aware: _branch_points must be a dict");
+            goto done;
+        }
+        PyObject *count = PyDict_GetItemWithError(o[C_POINTS], o[C_KEY]);  /* borrowed */
+        if (count == NULL && PyErr_Occurred()) goto done;
+        long long seen = count == NULL ? 0 : PyLong_AsLongLong(count);
+        if (seen == -1 && PyErr_Occurred()) goto done;
+        if (seen >= branch_shared) {
+            Py_SETREF(o[C_MIN_MATCH], PyLong_FromSsize_t(n_blocks + 1));
+            shared_prefix = 1;
+        }
+    }
+    if (o[C_MIN_MATCH] == NULL || (o[C_PROMPT_TOKENS] = PyLong_FromSsize_t(prompt_tokens)) == NULL
+        || (o[C_PREFILL_WEIGHT] = PyObject_GetAttr(policy, s_prefill_weight)) == NULL
+        || (o[C_QUEUE_WEIGHT] = PyObject_GetAttr(policy, s_queue_weight)) == NULL
+        || (o[C_FACTOR] = PyObject_GetAttr(policy, s_balance_factor)) == NULL
+        || (o[C_SLACK] = PyObject_GetAttr(policy, s_balance_slack)) == NULL
+        || (o[C_FOLLOW_SLACK] = PyObject_GetAttr(policy, s_follow_slack)) == NULL
+        || (o[C_FOLLOW_ABS] = PyObject_GetAttr(policy, s_follow_abs_slack)) == NULL
+        || (o[C_NAME_HASH] = PyObject_GetAttr(policy, s__name_hash)) == NULL)
+        goto done;
+    PyObject *loads = PyTuple_GET_ITEM(o[C_LAD], 0), *delays = PyTuple_GET_ITEM(o[C_LAD], 1),
+             *estimates = PyTuple_GET_SIZE(o[C_LAD]) > 2 ? PyTuple_GET_ITEM(o[C_LAD], 2) : Py_None;
+    PyObject *decide_args[19] = {o[C_MATCHED], loads, delays, o[C_PROMPT_TOKENS], o[C_BLOCK], o[C_MIN_MATCH],
+                                 o[C_PREFILL_WEIGHT], o[C_QUEUE_WEIGHT], o[C_TRACKER], o[C_FACTOR], o[C_SLACK],
+                                 o[C_FOLLOW_SLACK], o[C_FOLLOW_ABS], candidates, o[C_HASHES], o[C_NAME_HASH],
+                                 o[C_TABLE], policy, o[C_NOW]};
+    if ((o[C_DECIDED] = decide(NULL, decide_args, 19)) == NULL) goto done;
+    PyObject *chosen_obj = PyTuple_GET_ITEM(o[C_DECIDED], 0), *why = PyTuple_GET_ITEM(o[C_DECIDED], 1),
+             *scores = PyTuple_GET_ITEM(o[C_DECIDED], 2), *allowed = PyTuple_GET_ITEM(o[C_DECIDED], 3),
+             *tied = PyTuple_GET_ITEM(o[C_DECIDED], 4);
+    if (tied != Py_None) {  /* a tie decide leaves: the policy's steps past the load step */
+        if ((o[C_DEEPEST] = PyLong_FromLongLong(deepest)) == NULL
+            || (o[C_N_BLOCKS] = PyLong_FromSsize_t(n_blocks)) == NULL)
+            goto done;
+        PyObject *after_args[9] = {policy, candidates, tied, o[C_TABLE], o[C_HASHES], o[C_DEEPEST], o[C_N_BLOCKS],
+                                   PyTuple_GET_ITEM(o[C_DECIDED], 5), o[C_NOW]};
+        o[C_AFTER] = PyObject_VectorcallMethod(s__after_load_step, after_args,
+                                               9 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (o[C_AFTER] == NULL) goto done;
+        if (!PyTuple_Check(o[C_AFTER]) || PyTuple_GET_SIZE(o[C_AFTER]) != 2) {
+            PyErr_SetString(PyExc_TypeError, "cache_aware: _after_load_step gives (chosen, why)");
+            goto done;
+        }
+        chosen_obj = PyTuple_GET_ITEM(o[C_AFTER], 0);
+        why = PyTuple_GET_ITEM(o[C_AFTER], 1);
+    }
+    Py_ssize_t chosen = PyLong_AsSsize_t(chosen_obj);
+    if (chosen == -1 && PyErr_Occurred()) goto done;
+    if (chosen < 0 || chosen >= n) {
+        PyErr_SetString(PyExc_IndexError, "cache_aware: the chosen index is not a candidate's");
+        goto done;
+    }
+    long long held = PyLong_AsLongLong(PyList_GET_ITEM(o[C_MATCHED], chosen));
+    if (held == -1 && PyErr_Occurred()) goto done;
+    long long cached = held * block > (long long)prompt_tokens ? (long long)prompt_tokens : held * block;
+    PyObject *name = PySequence_GetItem(candidates, chosen);
+    if (name == NULL) goto done;
+    if ((o[C_CACHED] = PyLong_FromLongLong(cached)) == NULL
+        || (o[C_TUPLE] = PySequence_Tuple(candidates)) == NULL) {
+        Py_DECREF(name);
+        goto done;
+    }
+    PyObject *fields[13] = {name, o[C_TUPLE], o[C_CACHED], o[C_MATCHED], loads, scores, allowed, why, o[C_FACTOR],
+                            o[C_TABLE], o[C_HASHES], shared_prefix ? Py_True : Py_False, estimates};
+    out = PyObject_Vectorcall(decision_type, fields, 13, NULL);
+    Py_DECREF(name);
+done:
+    for (int i = 0; i < C_COUNT; i++) Py_XDECREF(o[i]);
+    return out;
+}
+
+/* commit: the branch point where the prompt's match ended (moved last, counted; the oldest past
+   branch_points_kept dropped), and in approximate mode (learn_from_routing) the prompt's blocks
+   guessed on the chosen replica (table_guess; a replica that left the table since: nothing).
+   The guess first: where table_guess declines (None), nothing is changed and None returned. */
+static PyObject *commit_cache_aware(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "commit_cache_aware(policy, decision)");
+        return NULL;
+    }
+    if (table_guess_fn == NULL) Py_RETURN_NONE;
+    PyObject *policy = args[0], *decision = args[1];
+    PyObject *matched = NULL, *hashes = NULL, *learn = NULL, *table = NULL, *replica = NULL, *state = NULL,
+             *clock = NULL, *now = NULL, *guessed = NULL, *points = NULL, *key = NULL, *count = NULL, *out = NULL;
+    Py_ssize_t n_blocks;
+    if ((matched = GET(decision, D_MATCHED, s__matched)) == NULL
+        || (hashes = PyObject_GetAttr(decision, s_hashes)) == NULL || (n_blocks = PyObject_Length(hashes)) < 0
+        || (learn = PyObject_GetAttr(policy, s_learn_from_routing)) == NULL)
+        goto done;
+    long long deepest = deepest_of(matched);
+    int learning = PyObject_IsTrue(learn);
+    if (deepest < 0 || learning < 0) goto done;
+    if (learning && n_blocks) {
+        if ((table = PyObject_GetAttr(decision, s_table)) == NULL || (replica = GET(decision, D_REPLICA, s_replica)) == NULL
+            || (state = PyObject_GetAttr(policy, s_state)) == NULL || (clock = PyObject_GetAttr(state, s_clock)) == NULL
+            || (now = PyObject_CallNoArgs(clock)) == NULL)
+            goto done;
+        PyObject *guess_args[4] = {table, replica, hashes, now};
+        guessed = PyObject_Vectorcall(table_guess_fn, guess_args, 4, NULL);
+        if (guessed == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto done;
+            PyErr_Clear();  /* the replica left the table since (removed from the pool) */
+        } else if (guessed == Py_None) {  /* table.insert serves: the Python lines, all of them */
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    if (deepest) {
+        PyObject *item = PySequence_GetItem(hashes, (Py_ssize_t)(deepest - 1));
+        if (item == NULL) goto done;
+        key = PyNumber_Long(item);
+        Py_DECREF(item);
+        if (key == NULL || (points = PyObject_GetAttr(policy, s__branch_points)) == NULL) goto done;
+        PyObject *zero = PyLong_FromLong(0);
+        if (zero == NULL) goto done;
+        count = PyObject_CallMethodObjArgs(points, s_pop, key, zero, NULL);  /* (re)inserted: the most recent */
+        Py_DECREF(zero);
+        if (count == NULL) goto done;
+        PyObject *one = PyLong_FromLong(1);
+        PyObject *more = one == NULL ? NULL : PyNumber_Add(count, one);
+        Py_XDECREF(one);
+        if (more == NULL) goto done;
+        int failed = PyObject_SetItem(points, key, more);
+        Py_DECREF(more);
+        if (failed) goto done;
+        Py_ssize_t size = PyObject_Length(points);
+        if (size < 0) goto done;
+        if (size > branch_points_kept) {
+            PyObject *popitem_args[2] = {points, Py_False};
+            PyObject *kwnames = PyTuple_Pack(1, s_last);
+            if (kwnames == NULL) goto done;
+            PyObject *dropped = PyObject_VectorcallMethod(s_popitem, popitem_args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                          kwnames);
+            Py_DECREF(kwnames);
+            if (dropped == NULL) goto done;
+            Py_DECREF(dropped);
+        }
+    }
+    out = Py_NewRef(Py_True);
+done:
+    Py_XDECREF(matched);
+    Py_XDECREF(hashes);
+    Py_XDECREF(learn);
+    Py_XDECREF(table);
+    Py_XDECREF(replica);
+    Py_XDECREF(state);
+    Py_XDECREF(clock);
+    Py_XDECREF(now);
+    Py_XDECREF(guessed);
+    Py_XDECREF(points);
+    Py_XDECREF(key);
+    Py_XDECREF(count);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"loads_and_delays", (PyCFunction)(void (*)(void))loads_and_delays, METH_FASTCALL,
      "(in_flight, queue_delay_s[, estimate records]) of each named replica; None if one is not tracked yet."},
@@ -1576,6 +1865,12 @@ static PyMethodDef methods[] = {
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
     {"explain_cache_aware", (PyCFunction)(void (*)(void))explain_cache_aware, METH_FASTCALL,
      "explain() of a CacheAwareDecision, its reason worded here, as msgspec.Raw."},
+    {"set_choose_parts", (PyCFunction)(void (*)(void))set_choose_parts, METH_FASTCALL,
+     "What choose_cache_aware and commit_cache_aware call and make (routing/policies.py's)."},
+    {"choose_cache_aware", (PyCFunction)(void (*)(void))choose_cache_aware, METH_FASTCALL,
+     "CacheAware.choose in one call; None where the Python lines serve."},
+    {"commit_cache_aware", (PyCFunction)(void (*)(void))commit_cache_aware, METH_FASTCALL,
+     "CacheAware.commit in one call; None where the Python lines serve."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1625,6 +1920,29 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s__turnover_origin, "_turnover_origin");
     INTERN(s_turnover_half_life_s, "turnover_half_life_s");
     INTERN(s__turn, "_turn");
+    INTERN(s_state, "state");
+    INTERN(s_tracker, "tracker");
+    INTERN(s_block_hashes, "block_hashes");
+    INTERN(s_tables, "tables");
+    INTERN(s_block_size, "block_size");
+    INTERN(s_prompt_token_ids, "prompt_token_ids");
+    INTERN(s_min_match_blocks, "min_match_blocks");
+    INTERN(s_follow_min_fraction, "follow_min_fraction");
+    INTERN(s__branch_points, "_branch_points");
+    INTERN(s_prefill_weight, "prefill_weight");
+    INTERN(s_queue_weight, "queue_weight");
+    INTERN(s_balance_factor, "balance_factor");
+    INTERN(s_balance_slack, "balance_slack");
+    INTERN(s_follow_slack, "follow_slack");
+    INTERN(s_follow_abs_slack, "follow_abs_slack");
+    INTERN(s__name_hash, "_name_hash");
+    INTERN(s__after_load_step, "_after_load_step");
+    INTERN(s_learn_from_routing, "learn_from_routing");
+    INTERN(s_table, "table");
+    INTERN(s_hashes, "hashes");
+    INTERN(s_pop, "pop");
+    INTERN(s_popitem, "popitem");
+    INTERN(s_last, "last");
 #undef INTERN
     PyObject *msgspec = PyImport_ImportModule("msgspec");
     if (msgspec == NULL) return NULL;

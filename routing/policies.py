@@ -26,11 +26,16 @@ import xxhash
 from routing.policy import Policy, RouteRequest, RoutingDecision, RoutingState, require_candidates, routing_log
 from routing.prefix_table import native_guess as _native_guess, native_match as _native_match
 
+import routing.load as _load
 try:  # routing/_decision.c: cache_aware's choice from the matches and loads, in C
-    from routing._decision import decide as _native_decide, explain_cache_aware as _explain_cache_aware
+    from routing._decision import (choose_cache_aware as _native_choose, commit_cache_aware as _native_commit,
+                                   decide as _native_decide, explain_cache_aware as _explain_cache_aware)
 except ImportError:  # built without a C compiler: the Python lines in choose(), and the record's dict
-    _native_decide = _explain_cache_aware = None
+    _native_choose = _native_commit = _native_decide = _explain_cache_aware = None
 NATIVE = True  # False: the Python lines even where the C call was built (tests compare the two)
+# What choose() asks the load tracker to write of each candidate's estimate for the request record:
+# their JSON object (bytes), in the pass that reads the loads.
+RECORD_ESTIMATES: type | None = bytes
 
 
 def _loads(state: RoutingState, candidates: Sequence[str], now: float) -> dict[str, float]:
@@ -226,6 +231,11 @@ class CacheAwareDecision(msgspec.Struct, gc=False):
                            dict(zip(candidates, self._loads)), candidates, self._scores, self.predicted_cached_tokens)
 
 
+if _native_choose is not None and _native_match is not None:  # what the C choose and commit call and make
+    from routing._decision import set_choose_parts as _set_choose_parts
+    _set_choose_parts(_native_match, _native_guess, CacheAwareDecision, BRANCH_SHARED, BRANCH_POINTS_KEPT)
+
+
 class CacheAware:
     """score(r) = prefill_weight * uncached_tokens(r) / prefill rate (LoadTracker.prefill_rate)
                 + queue_weight * queue_delay_s(r), in seconds; lowest wins among the replicas
@@ -305,6 +315,12 @@ class CacheAware:
         self._turn = 0  # turns for prompts shorter than a block (no block of their own)
 
     def choose(self, candidates: Sequence[str], request: RouteRequest) -> CacheAwareDecision:
+        if _native_choose is not None and NATIVE and _load.NATIVE:
+            # The lines below in one C call (routing/_decision.c choose_cache_aware); None where
+            # they serve (the model's first request, hashes to make, a table or load not read there).
+            decision = _native_choose(self, candidates, request, RECORD_ESTIMATES)
+            if decision is not None:
+                return decision
         if not candidates:
             require_candidates(candidates)
         state = self.state
@@ -321,7 +337,8 @@ class CacheAware:
                 matched = table.match_lengths(hashes, now, candidates)
         else:
             matched = [0] * len(candidates)
-        loads, delays, estimates = tracker.loads_and_delays(candidates, now, estimates=bytes)
+        loads, delays, *estimates = tracker.loads_and_delays(candidates, now, estimates=RECORD_ESTIMATES)
+        estimates = estimates[0] if estimates else None
         prompt_tokens = len(request.prompt_token_ids)
         block = state.block_size  # matched blocks are whole prompt blocks: never more than the prompt
         min_match = self.min_match_blocks or 1
@@ -502,6 +519,8 @@ class CacheAware:
         """What the policy learns from its own routing, apart from choose(): where this prompt's
         match ended (branch points), and in approximate mode that the chosen replica will hold the
         prompt's blocks (a guess, corrected by the cached tokens it reports)."""
+        if _native_commit is not None and NATIVE and _native_commit(self, decision):
+            return  # the lines below in one C call (routing/_decision.c commit_cache_aware)
         matched, hashes = decision._matched, decision.hashes
         deepest = max(matched) if matched else 0
         if deepest:

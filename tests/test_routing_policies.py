@@ -456,11 +456,22 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
         pytest.skip("routing/_decision.c not built")
     python_cache_steps = [0]
     by_cache = policies.CacheAware._by_cache
+    in_one_call = {"choose": 0, "commit": 0}  # decisions and commits the one C call made whole
 
     def counted(self, *args):
         python_cache_steps[0] += 1
         return by_cache(self, *args)
     monkeypatch.setattr(policies.CacheAware, "_by_cache", counted)
+
+    def counting(name, native_call):
+        def call(*args):
+            out = native_call(*args)
+            in_one_call[name] += out is not None
+            return out
+        return call
+    if policies._native_choose is not None:
+        monkeypatch.setattr(policies, "_native_choose", counting("choose", policies._native_choose))
+        monkeypatch.setattr(policies, "_native_commit", counting("commit", policies._native_commit))
 
     def run(native: bool) -> list:
         monkeypatch.setattr(load, "NATIVE", native)
@@ -502,11 +513,15 @@ def test_cache_aware_decides_the_same_with_its_c_loops_as_with_the_python_ones(m
             decision = attempt.decision
             seen.append((decision.replica, decision._scores, decision._loads, decision._matched,
                          decision.reason, msgspec.json.decode(decision.load_estimates)))
-        return seen, python_cache_steps[0], dict(policy._new_blocks), policy._turnover_origin, policy._turn
+        return (seen, python_cache_steps[0], dict(policy._new_blocks), policy._turnover_origin, policy._turn,
+                list(policy._branch_points.items()), state.table("m").match_lengths(block_hashes(prompts[0]), clock.now,
+                                                                                    REPLICAS))
 
     (native, native_steps, *native_state), (python, python_steps, *python_state) = run(True), run(False)
     assert native == python
-    assert native_state == python_state  # turnover's sums and origin, the turns
+    assert native_state == python_state  # turnover's sums and origin, the turns, branch points, guesses
+    if policies._native_choose is not None:  # the whole choice and commit in one call, but for a few
+        assert in_one_call["choose"] > 1400 and in_one_call["commit"] > 1400, in_one_call
     assert native_steps == 0 and python_steps > 100, (native_steps, python_steps)
     assert len({replica for replica, *_ in native}) == len(REPLICAS)  # the traffic spread: every path ran
     reasons = " | ".join({reason for _, _, _, _, reason, _ in native})
