@@ -18,6 +18,12 @@ import xxhash
 
 from observability.logs import json_sink, struct_fields
 
+try:  # observability/_record_line.c: as_line in one C call
+    from observability._record_line import line as _native_line, set_parts as _set_line_parts
+except ImportError:  # built without a C compiler: as_line's Python lines
+    _native_line = None
+NATIVE = True  # False: the Python lines even where the C call was built (tests compare the two)
+
 TokenIdPolicy = Literal["full", "hashed", "off"]
 
 
@@ -105,7 +111,12 @@ class RequestRecord(msgspec.Struct, eq=False):
 
     def as_line(self, token_ids: TokenIdPolicy, routing_json: bool = False) -> "RecordLine":
         """The record as its log line; `routing_json`: the routing field as JSON ready for msgspec's
-        encoder where the try can write it so (RoutedAttempt.log_json), not a dict."""
+        encoder where the try can write it so (RoutedAttempt.log_json), not a dict. The lines
+        below in one C call (observability/_record_line.c) but for hashed token IDs."""
+        if _native_line is not None and NATIVE and token_ids != "hashed":
+            line = _native_line(self, token_ids == "full", routing_json)
+            if line is not None:
+                return line
         first, started, itl, routed = self.first_token_s, self.started_s, self.itl_s, self.routed_s
         routing = self.routing
         if routing is not None and routing.__class__ is not dict:
@@ -180,6 +191,11 @@ class RecordLine(msgspec.Struct, kw_only=True, gc=False):
     output_token_ids: Any = UNSET
 
 
+if _native_line is not None:  # what the C line reads and makes
+    _set_line_parts(RequestRecord, RecordLine, RecordLine.__struct_fields__[4:], msgspec.structs.astuple,
+                    time.perf_counter)
+
+
 class RequestLog:
     """Emits records with the configured token-ID policy; a second emit of one record is a no-op.
 
@@ -237,11 +253,15 @@ class RequestLog:
         is logged, and the others are written."""
         sink = None if self._own_logger else json_sink()
         token_ids = self.token_ids
+        # as_line's C call, made here (no Python frame a record); None: as_line serves
+        line_of = _native_line if _native_line is not None and NATIVE and token_ids != "hashed" else None
+        full = token_ids == "full"
         lines = []  # for the JSON sink, handed over together
         for record in records:
             try:
                 if sink is not None:
-                    lines.append(record.as_line(token_ids, routing_json=True))
+                    line = line_of(record, full, True) if line_of is not None else None
+                    lines.append(line if line is not None else record.as_line(token_ids, routing_json=True))
                 else:
                     self._log.info("request", **record.as_fields(token_ids))
             except Exception:

@@ -2,7 +2,10 @@
 import asyncio
 import io
 import json
+import random
 
+import msgspec
+import pytest
 import structlog
 
 from observability.request_log import RequestLog, RequestRecord, hashed_ids
@@ -101,3 +104,75 @@ def test_records_still_pending_are_written_by_flush():
         assert json.loads(out.getvalue())["request_id"] == "late"
     finally:
         loop.close()
+
+
+class _Try:
+    """A gateway try's stand-in for the record's routing field: its log, and its log as JSON."""
+    log = {"policy": "cache_aware", "chosen": "r1"}
+
+    def log_json(self):
+        return msgspec.Raw(b'{"policy":"cache_aware"}')
+
+
+def test_a_records_line_is_the_same_from_its_c_call_as_from_the_python_lines(monkeypatch):
+    """Every optional field set and not, times on and off the microsecond grid, halves that round to
+    even, token intervals, a routing dict or a try's log (as JSON or not), each token-ID policy:
+    observability/_record_line.c's line is field for field the Python lines' line."""
+    from observability import request_log
+
+    if request_log._native_line is None:
+        pytest.skip("observability/_record_line.c not built")
+    rng = random.Random(3)
+    records = []
+    for n in range(400):
+        started = rng.choice([0.0, 1000.0, rng.uniform(0, 1e5)])
+        record = RequestRecord(f"req-{n}", rng.choice(["/v1/completions", "/v1/chat/completions"]), started)
+        record.model, record.replica = rng.choice([(None, None), ("m", "r1")])
+        record.prompt_token_ids = rng.choice([None, [], [rng.randrange(50_000) for _ in range(rng.randrange(40))]])
+        record.prompt_tokens = None if record.prompt_token_ids is None else len(record.prompt_token_ids)
+        record.routed_s = rng.choice([None, started + rng.uniform(0, 0.01), started + 0.0000005])
+        if rng.random() < 0.7:
+            for _ in range(rng.randrange(1, 6)):
+                record.tokens_arrived([rng.randrange(50_000)], started + rng.uniform(0.001, 2.0), rng.randrange(1, 3))
+        record.finished_s = rng.choice([None, started + rng.uniform(0, 3), started + 0.0025005])
+        record.routing = rng.choice([None, {"policy": "round_robin"}, _Try()])
+        record.cached_tokens = rng.choice([None, 0, 32])
+        record.finish_reason = rng.choice([None, "stop", "length"])
+        if rng.random() < 0.3:
+            record.key, record.tenant = "team-a", rng.choice([None, "tenant-a"])
+        if rng.random() < 0.3:
+            record.fail(rng.choice([429, 502]), "replica failed")
+        if rng.random() < 0.2:
+            record.add_failover("r2", rng.randrange(5), "connection reset")
+        record.failover = rng.choice([record.failover, []]) if record.failover is None else record.failover
+        record.failed_after_headers = rng.random() < 0.2
+        record.pd = rng.choice([None, {"prefill": "p0", "decode": "d0"}])
+        record.panic_routing = rng.random() < 0.1
+        records.append(record)
+    unfinished = [record for record in records if record.finished_s is None]
+    assert unfinished  # e2e measured to now: compared by the fields around it
+    for policy in ("full", "off", "hashed"):
+        for routing_json in (False, True):
+            monkeypatch.setattr(request_log, "NATIVE", True)
+            native = [msgspec.structs.asdict(record.as_line(policy, routing_json)) for record in records]
+            monkeypatch.setattr(request_log, "NATIVE", False)
+            python = [msgspec.structs.asdict(record.as_line(policy, routing_json)) for record in records]
+            for record, c_line, py_line in zip(records, native, python):
+                if record.finished_s is None:
+                    assert 0 <= py_line.pop("e2e_ms") - c_line.pop("e2e_ms") < 1000
+                assert c_line == py_line, (policy, routing_json, c_line, py_line)
+    # Through the request log, batched, as the gateway writes it: the same lines.
+    for native in (True, False):
+        monkeypatch.setattr(request_log, "NATIVE", native)
+        out = io.StringIO()
+        logger = structlog.wrap_logger(structlog.PrintLogger(out), processors=[structlog.processors.JSONRenderer()])
+        log = RequestLog("full", logger)
+        for record in records[:50]:
+            record._emitted = False
+            record.finished_s = record.finished_s or record.started_s + 1.0
+            log.emit(record)
+        assert len(out.getvalue().splitlines()) == 50
+        if native:
+            written = out.getvalue()
+        else:
+            assert out.getvalue() == written
