@@ -57,6 +57,9 @@ def prompt_ids_now(request: AnyRequest, bundle: TokenizerBundle) -> tuple[list[i
     if isinstance(prompt, list):
         return list(prompt), None
     cache = token_cache(bundle)
+    ids = cache.cached(prompt, add_special_tokens)  # a prompt asked again whole
+    if ids is not None:
+        return ids, None
     lookup = cache.lookup(prompt)
     if lookup.missing_chars < YIELD_CHARS:
         return cache.finish(lookup, add_special_tokens), None

@@ -204,3 +204,31 @@ def test_long_stretches_are_cut_where_the_search_loop_cuts_them():
         chunks = _chunks(text)
         assert chunks == _chunks_by_search(text), text
         assert "".join(chunks) == text
+
+
+def test_a_prompt_asked_again_whole_is_served_from_its_one_piece_with_the_ids_of_a_fresh_tokenization():
+    """cached(): a text that is one remembered piece (a repeated short prompt, with or without added
+    tokens under 64 characters, a one-stretch prompt up to twice a chunk) gives the tokenizer's IDs
+    and BOS rule from one lookup; a text lookup cuts in several pieces (a chat, a long chunked prompt)
+    is left to lookup, and encode gives the tokenizer's IDs either way."""
+    tiny = bundle()
+    cache = TokenCache(tiny)
+    rng = random.Random(11)
+    specials = ["<|im_start|>", "<|im_end|>"]
+    texts = ["".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 12))) + rng.choice(specials) + "x",  # < 64
+             "The quick brown fox jumps over the lazy dog. " * 3,  # one stretch
+             "".join(rng.choice(WORDS) for _ in range(400)),  # chunked
+             tiny.apply_chat_template([{"role": "user", "content": "hello there, " * 10}])]  # split at added tokens
+    texts = [text for text in texts for _ in range(cache._checks_left)]  # past the checks against whole encodes
+    for text in texts:
+        assert cache.encode(text) == tiny.encode(text)
+    assert cache._checks_left == 0
+    whole = {text for text in texts if cache._pieces.get(text)}
+    assert len(whole) == 2  # the short one and the one stretch are single pieces
+    for text in set(texts):
+        for add_special_tokens in (True, False):
+            served = cache.cached(text, add_special_tokens)
+            assert served is None if text not in whole else served == tiny.encode(text, add_special_tokens)
+            assert cache.encode(text, add_special_tokens) == tiny.encode(text, add_special_tokens)
+    hits = cache.hits
+    assert cache.cached(texts[len(texts) // 4]) is not None and cache.hits == hits + 1  # a hit counted

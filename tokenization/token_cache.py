@@ -91,7 +91,26 @@ class TokenCache:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """bundle.encode(text, add_special_tokens), from the cache where it can."""
-        return self.finish(self.lookup(text), add_special_tokens)
+        ids = self.cached(text, add_special_tokens)
+        return ids if ids is not None else self.finish(self.lookup(text), add_special_tokens)
+
+    def cached(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
+        """encode()'s IDs where the whole text is one remembered piece (a prompt asked again: one
+        dict lookup, no cut, no Lookup), else None (lookup and finish serve it). lookup would cut
+        such a text into that one piece: no piece of 64 characters or more holds an added token,
+        and while long stretches are chunked no piece is longer than twice a chunk."""
+        if self._checks_left:  # the first texts are checked against whole encodes (finish)
+            return None
+        with self._lock:
+            ids = self._pieces.get(text)
+            if ids is None or ids.__class__ is list:  # missing, or asked again: lookup shares its ints
+                return None
+            self._pieces.move_to_end(text)
+            self.hits += 1
+        ids = list(ids)
+        if add_special_tokens and self.bundle.add_bos:
+            ids.insert(0, self.bundle.bos_token_id)
+        return ids
 
     def lookup(self, text: str) -> "Lookup":
         """The cache's part of an encode: the text cut the way it is cached (at added tokens, long
