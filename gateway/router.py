@@ -26,6 +26,13 @@ from routing import Attempt, Decision, RouteRequest, RoutingState, make_policy
 from routing.policy import routing_json
 from routing.hashing import block_hashes
 from routing.load import EstimateLog, LoadModel, LoadTracker
+import routing.load as _load
+
+try:  # routing/_decision.c: RoutedAttempt(...) in one call
+    from routing._decision import new_attempt as _new_attempt, set_attempt_parts as _set_attempt_parts
+except ImportError:  # built without a C compiler: RoutedAttempt.__init__
+    _new_attempt = None
+NATIVE = True  # False: RoutedAttempt.__init__ even where the C call was built (tests compare the two)
 
 log = structlog.get_logger("kvgate.router")
 
@@ -294,6 +301,11 @@ class Router:
                     (self.loop or asyncio.get_running_loop()).call_soon(policy.commit, decision)
                 except RuntimeError:  # no loop (called from plain code): record it now
                     policy.commit(decision)
+        if _new_attempt is not None and NATIVE:  # RoutedAttempt.__init__'s lines in one C call
+            attempt = _new_attempt(RoutedAttempt, self, state, decision, model, len(prompt_token_ids), hashes,
+                                   estimates, _load.NATIVE)
+            if attempt is not None:
+                return attempt
         return RoutedAttempt(self, state, decision, model, len(prompt_token_ids), hashes, estimates)
 
 
@@ -303,7 +315,8 @@ class RoutedAttempt(Attempt):
     gateway adds to it (metrics, KV-event expectations, the learned prefill and decode rates, the
     record's explanation). Leaving the `with` block ends it, however the try ended:
     `cached_tokens` (set from the replica's usage, if it said) is what corrects approximate mode's
-    table."""
+    table. Router.attempt makes it in one C call (routing/_decision.c new_attempt: these slots set
+    in place, the tracker's count made there) where it was built; __init__ is the reference."""
     __slots__ = ("router", "cached_tokens", "first_token_s", "routed_s", "prefill_sample", "batch",
                  "decode_sample", "retried_after", "_mode", "_estimates", "_log")
 
@@ -388,6 +401,10 @@ class RoutedAttempt(Attempt):
         if self.decode_sample is not None and self.decode_sample[0] >= DECODE_MIN_TOKENS - 1:
             router.observe_decode(replica, self.batch, *self.decode_sample)
         self.finish(self.cached_tokens, precise=bool(router.precise.get(replica)))
+
+
+if _new_attempt is not None:  # the class and clock the C call makes a try with
+    _set_attempt_parts(RoutedAttempt, time.perf_counter)
 
 
 def _estimates(state: RoutingState, candidates: list[str], decision: Decision) -> dict[str, EstimateLog] | bytes:

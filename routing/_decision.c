@@ -1850,6 +1850,140 @@ done:
     return out;
 }
 
+/* ---- a routed try, made in one call ------------------------------------------------------------
+
+   set_attempt_parts(cls, names) -> None
+   new_attempt(cls, router, state, decision, model, prompt_tokens, hashes, estimates, native_load) -> cls | None
+
+   gateway/router.py RoutedAttempt.__init__ (with routing/attempt.py Attempt.__init__; the Python
+   lines the reference, tests compare the two): a try of `decision` on its replica, counted in the
+   load tracker (its C `routed` above where `native_load`, else tracker.on_routed), its slots set
+   in place (`names`: the class's slots, as set_attempt_parts was told them; each a member
+   descriptor at a fixed offset). None where `cls` is not the class set_attempt_parts was given. */
+
+enum { A_STATE, A_DECISION, A_REPLICA, A_MODEL, A_PROMPT_TOKENS, A_HASHES, A_PREDICTED, A_STARTED_DECODING, A_DONE,
+       A_TICKET, A_ROUTER, A_CACHED_TOKENS, A_FIRST_TOKEN_S, A_ROUTED_S, A_PREFILL_SAMPLE, A_BATCH, A_DECODE_SAMPLE,
+       A_RETRIED_AFTER, A_MODE, A_ESTIMATES, A_LOG, A_SLOTS };
+static const char *const attempt_slots[A_SLOTS] = {
+    "state", "decision", "replica", "model", "prompt_tokens", "hashes", "predicted_cached_tokens",
+    "started_decoding", "done", "_ticket", "router", "cached_tokens", "first_token_s", "routed_s", "prefill_sample",
+    "batch", "decode_sample", "retried_after", "_mode", "_estimates", "_log"};
+static PyTypeObject *attempt_type;
+static Py_ssize_t attempt_offsets[A_SLOTS];
+static PyObject *perf_counter_fn, *s_precise, *s_on_routed, *s_approximate, *one_int;
+
+static PyObject *set_attempt_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "set_attempt_parts(cls, perf_counter)");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    Py_ssize_t offsets[A_SLOTS];
+    for (int i = 0; i < A_SLOTS; i++) {
+        PyObject *name = PyUnicode_InternFromString(attempt_slots[i]);
+        if (name == NULL) return NULL;
+        PyObject *descr = _PyType_Lookup(type, name);  /* borrowed */
+        Py_DECREF(name);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            || ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_TypeError, "set_attempt_parts: %s.%s is not a slot", type->tp_name, attempt_slots[i]);
+            return NULL;
+        }
+        offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+    }
+    if (type->tp_init == NULL || type->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "set_attempt_parts: not a class made in Python");
+        return NULL;
+    }
+    memcpy(attempt_offsets, offsets, sizeof(offsets));
+    Py_INCREF(type);
+    Py_XSETREF(attempt_type, type);
+    Py_XSETREF(perf_counter_fn, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+static PyObject *new_attempt(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "new_attempt(cls, router, state, decision, model, prompt_tokens, hashes, "
+                                         "estimates, native_load)");
+        return NULL;
+    }
+    if (attempt_type == NULL || args[0] != (PyObject *)attempt_type) Py_RETURN_NONE;
+    PyObject *router = args[1], *state = args[2], *decision = args[3];
+    PyObject *v[A_SLOTS] = {NULL};  /* new references, moved into the slots at the end */
+    PyObject *out = NULL, *tracker = NULL, *replicas = NULL, *precise = NULL;
+    int native_load = PyObject_IsTrue(args[8]);
+    if (native_load < 0) return NULL;
+    v[A_STATE] = Py_NewRef(state);
+    v[A_DECISION] = Py_NewRef(decision);
+    v[A_MODEL] = Py_NewRef(args[4]);
+    v[A_PROMPT_TOKENS] = Py_NewRef(args[5]);
+    v[A_HASHES] = Py_NewRef(args[6]);
+    v[A_STARTED_DECODING] = Py_NewRef(Py_False);
+    v[A_DONE] = Py_NewRef(Py_False);
+    v[A_ROUTER] = Py_NewRef(router);
+    v[A_CACHED_TOKENS] = Py_NewRef(Py_None);
+    v[A_FIRST_TOKEN_S] = Py_NewRef(Py_None);
+    v[A_BATCH] = Py_NewRef(one_int);
+    v[A_DECODE_SAMPLE] = Py_NewRef(Py_None);
+    v[A_RETRIED_AFTER] = Py_NewRef(Py_None);
+    v[A_ESTIMATES] = Py_NewRef(args[7]);
+    v[A_LOG] = Py_NewRef(Py_None);
+    if ((v[A_REPLICA] = PyObject_GetAttr(decision, s_replica)) == NULL
+        || (v[A_PREDICTED] = PyObject_GetAttr(decision, s_predicted_cached_tokens)) == NULL
+        || (tracker = PyObject_GetAttr(state, s_tracker)) == NULL)
+        goto done;
+    if (native_load) {  /* tracker.on_routed's C steps; None: not tracked yet, the method makes its load */
+        PyObject *routed_args[5] = {tracker, v[A_REPLICA], args[5], v[A_PREDICTED], args[6]};
+        if ((v[A_TICKET] = routed(NULL, routed_args, 5)) == NULL) goto done;
+        if (v[A_TICKET] == Py_None) Py_CLEAR(v[A_TICKET]);
+    }
+    if (v[A_TICKET] == NULL) {
+        PyObject *call[5] = {tracker, v[A_REPLICA], args[5], v[A_PREDICTED], args[6]};
+        if ((v[A_TICKET] = PyObject_VectorcallMethod(s_on_routed, call, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) == NULL)
+            goto done;
+    }
+    if ((v[A_ROUTED_S] = PyObject_CallNoArgs(perf_counter_fn)) == NULL
+        || (replicas = GET(tracker, T_REPLICAS, s_replicas)) == NULL)
+        goto done;
+    /* Its first token can time the replica's prefill: nothing of ours queued ahead of it. */
+    int sample = 0;
+    PyObject *load = PyDict_Check(replicas) ? PyDict_GetItemWithError(replicas, v[A_REPLICA]) : NULL;  /* borrowed */
+    if (load == NULL && PyErr_Occurred()) goto done;
+    if (load != NULL) {
+        long waiting;
+        if (read_long(load, s_waiting, F_WAITING, &waiting) < 0) goto done;
+        sample = waiting <= 1;
+    }
+    v[A_PREFILL_SAMPLE] = Py_NewRef(sample ? Py_True : Py_False);
+    if ((precise = PyObject_GetAttr(router, s_precise)) == NULL) goto done;
+    int is_precise;
+    if (PyDict_CheckExact(precise)) {
+        PyObject *flag = PyDict_GetItemWithError(precise, v[A_REPLICA]);  /* borrowed */
+        if (flag == NULL && PyErr_Occurred()) goto done;
+        is_precise = flag == NULL ? 0 : PyObject_IsTrue(flag);
+    } else {  /* router.precise.get(replica), whatever mapping it is */
+        PyObject *flag = PyObject_CallMethod(precise, "get", "O", v[A_REPLICA]);
+        if (flag == NULL) goto done;
+        is_precise = PyObject_IsTrue(flag);
+        Py_DECREF(flag);
+    }
+    if (is_precise < 0) goto done;
+    v[A_MODE] = Py_NewRef(is_precise ? s_precise : s_approximate);
+    out = attempt_type->tp_alloc(attempt_type, 0);
+    if (out == NULL) goto done;
+    for (int i = 0; i < A_SLOTS; i++) {  /* a new object's slots are empty: each takes its reference */
+        *(PyObject **)((char *)out + attempt_offsets[i]) = v[i];
+        v[i] = NULL;
+    }
+done:
+    for (int i = 0; i < A_SLOTS; i++) Py_XDECREF(v[i]);
+    Py_XDECREF(tracker);
+    Py_XDECREF(replicas);
+    Py_XDECREF(precise);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"loads_and_delays", (PyCFunction)(void (*)(void))loads_and_delays, METH_FASTCALL,
      "(in_flight, queue_delay_s[, estimate records]) of each named replica; None if one is not tracked yet."},
@@ -1865,6 +1999,10 @@ static PyMethodDef methods[] = {
     {"explain", (PyCFunction)(void (*)(void))explain, METH_FASTCALL, "The request record's routing field as JSON."},
     {"explain_cache_aware", (PyCFunction)(void (*)(void))explain_cache_aware, METH_FASTCALL,
      "explain() of a CacheAwareDecision, its reason worded here, as msgspec.Raw."},
+    {"set_attempt_parts", (PyCFunction)(void (*)(void))set_attempt_parts, METH_FASTCALL,
+     "The try class new_attempt makes (gateway/router.py RoutedAttempt) and the clock it reads."},
+    {"new_attempt", (PyCFunction)(void (*)(void))new_attempt, METH_FASTCALL,
+     "RoutedAttempt(...) in one call; None where the class is not the one set."},
     {"set_choose_parts", (PyCFunction)(void (*)(void))set_choose_parts, METH_FASTCALL,
      "What choose_cache_aware and commit_cache_aware call and make (routing/policies.py's)."},
     {"choose_cache_aware", (PyCFunction)(void (*)(void))choose_cache_aware, METH_FASTCALL,
@@ -1943,6 +2081,10 @@ PyMODINIT_FUNC PyInit__decision(void) {
     INTERN(s_pop, "pop");
     INTERN(s_popitem, "popitem");
     INTERN(s_last, "last");
+    INTERN(s_precise, "precise");
+    INTERN(s_on_routed, "on_routed");
+    INTERN(s_approximate, "approximate");
+    if ((one_int = PyLong_FromLong(1)) == NULL) return NULL;
 #undef INTERN
     PyObject *msgspec = PyImport_ImportModule("msgspec");
     if (msgspec == NULL) return NULL;

@@ -359,3 +359,63 @@ def test_a_tries_routing_explanation_says_what_the_policy_saw_when_it_chose():
     assert {name: e["waiting"] for name, e in routing["load_estimate"].items()} == {"r0": 0, "r1": 1}
     assert routing["load_estimate"]["r1"]["in_flight"] == 1 and routing["mode"] == "approximate"
     assert routing["retried_after"] == ["r9"] and "reason" in routing
+
+
+def test_a_try_is_made_the_same_by_its_c_call_as_by_its_python_lines(monkeypatch):
+    """gateway/router.py's try (RoutedAttempt) made in one C call (routing/_decision.c new_attempt)
+    has every slot the Python lines set, equal, for both policies, precise and approximate replicas,
+    a replica with ours queued and one without, a replica the tracker has not seen; the tracker
+    counts it the same way (its loads, tickets, running prompts), and the try ends the same."""
+    from gateway import router as router_module
+    from routing import load
+
+    if router_module._new_attempt is None:
+        pytest.skip("routing/_decision.c not built")
+    slots = [name for cls in router_module.RoutedAttempt.__mro__ for name in getattr(cls, "__slots__", ())]
+    made_in_c = [0]
+    new_attempt = router_module._new_attempt
+
+    def counted(*args):
+        attempt = new_attempt(*args)
+        made_in_c[0] += attempt is not None
+        return attempt
+    monkeypatch.setattr(router_module, "_new_attempt", counted)
+
+    def run(native: bool, native_load: bool) -> list:
+        monkeypatch.setattr(router_module, "NATIVE", native)
+        monkeypatch.setattr(load, "NATIVE", native_load)
+        made = []
+        for policy in ("cache_aware", "round_robin"):
+            config = parse_config(f"routing: {{policy: {policy}}}\nreplicas:\n"
+                                  "  - {name: r0, url: 'http://127.0.0.1:1', model: m}\n"
+                                  "  - {name: r1, url: 'http://127.0.0.1:2', model: m}\n")
+            router = Router(config, GatewayMetrics())
+            router.state.clock = router.state.tracker.clock = lambda: 100.0  # the loads' backlog: no drift
+            router.precise["r1"] = True
+            tracker = router.state.tracker
+            tracker.on_routed("r1", 100)  # one of ours already waiting on r1
+            for n in range(6):
+                ids = list(range(n * 7, n * 7 + 40 + n))
+                candidates = ["r0", "r1"] if n != 5 else ["r2"]  # r2: not in the tracker yet
+                attempt = router.attempt(candidates, "m", ids, router.hashes(ids, None), None, None, 4)
+                assert type(attempt) is router_module.RoutedAttempt
+                fields = {name: getattr(attempt, name) for name in slots}
+                fields["routed_s"] = type(fields["routed_s"])
+                fields.pop("state"), fields.pop("router"), fields.pop("decision")
+                made.append((fields, {name: (l.waiting, l.routed, sorted(l.running_prompts)) for name, l
+                                      in tracker.replicas.items()}, tracker.own_total))
+                if n % 2:
+                    attempt.first_token()
+                attempt.cached_tokens = 16
+                with attempt:
+                    pass
+                made.append(({name: l.waiting + l.decoding for name, l in tracker.replicas.items()},
+                             attempt.done, attempt.started_decoding))
+        return made
+
+    python = run(False, False)
+    assert made_in_c[0] == 0
+    assert run(True, True) == python and run(True, False) == python
+    assert made_in_c[0] == 2 * 2 * 6  # every try of both native runs made in C
+    assert any(fields["_mode"] == "precise" for fields, *_ in python[::2])
+    assert {fields["prefill_sample"] for fields, *_ in python[::2]} == {True, False}
