@@ -2,8 +2,8 @@
 routing/_block_hash.c (chained block hashes, with the vendored xxHash header),
 routing/_decision.c (a decision's per-candidate loops: load estimate, cache_aware's choice),
 gateway/_http_head.c (the hot path's plain request heads), protocol/_strip_ids.c (token IDs cut
-out of relayed answers) and observability/_record_line.c (a request record's log line). Optional: where no C compiler is found the install still succeeds and
-each uses its Python path."""
+out of relayed answers) and observability/_record_line.c (a request record's log line). Optional:
+where no C compiler is found the install still succeeds and each uses its Python path."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("routing._prefix_match", ["routing/_prefix_match.c"], optional=True,

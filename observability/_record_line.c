@@ -100,14 +100,11 @@ static PyObject *ms_since(PyObject *later, double started) {
     return ms_of(value - started);
 }
 
-/* ms(f(itl)) for a builtin f (sum or max), as the Python lines compute it; mean: divided by len. */
-static PyObject *ms_of_itl(PyObject *itl, const char *builtin, int mean) {
-    PyObject *builtins = PyEval_GetBuiltins();  /* borrowed */
-    PyObject *f = builtins == NULL ? NULL : PyDict_GetItemString(builtins, builtin);
-    if (f == NULL) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_NameError, "no builtin %s", builtin);
-        return NULL;
-    }
+/* ms(f(itl)) for the builtin f (sum or max, looked up once at import), as the Python lines compute
+   it; mean: divided by len. */
+static PyObject *builtin_sum, *builtin_max;
+
+static PyObject *ms_of_itl(PyObject *itl, PyObject *f, int mean) {
     PyObject *value = PyObject_CallOneArg(f, itl);
     if (value == NULL) return NULL;
     double seconds = PyFloat_AsDouble(value);
@@ -168,7 +165,7 @@ static PyObject *line(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         || (v[L_TTFT_MS] = ms_since(F(R_FIRST_TOKEN), started)) == NULL)
         goto done;
     if (PyList_GET_SIZE(itl)) {
-        if ((v[L_ITL_MEAN_MS] = ms_of_itl(itl, "sum", 1)) == NULL || (v[L_ITL_MAX_MS] = ms_of_itl(itl, "max", 0)) == NULL)
+        if ((v[L_ITL_MEAN_MS] = ms_of_itl(itl, builtin_sum, 1)) == NULL || (v[L_ITL_MAX_MS] = ms_of_itl(itl, builtin_max, 0)) == NULL)
             goto done;
     } else {
         v[L_ITL_MEAN_MS] = Py_NewRef(Py_None);
@@ -208,6 +205,12 @@ PyMODINIT_FUNC PyInit__record_line(void) {
     if ((s_log_json = PyUnicode_InternFromString("log_json")) == NULL
         || (s_log = PyUnicode_InternFromString("log")) == NULL)
         return NULL;
+    PyObject *builtins = PyImport_ImportModule("builtins");
+    if (builtins == NULL) return NULL;
+    builtin_sum = PyObject_GetAttrString(builtins, "sum");
+    builtin_max = PyObject_GetAttrString(builtins, "max");
+    Py_DECREF(builtins);
+    if (builtin_sum == NULL || builtin_max == NULL) return NULL;
     PyObject *msgspec = PyImport_ImportModule("msgspec");
     if (msgspec == NULL) return NULL;
     unset = PyObject_GetAttrString(msgspec, "UNSET");

@@ -1891,10 +1891,6 @@ static PyObject *set_attempt_parts(PyObject *self, PyObject *const *args, Py_ssi
         }
         offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
     }
-    if (type->tp_init == NULL || type->tp_alloc == NULL) {
-        PyErr_SetString(PyExc_TypeError, "set_attempt_parts: not a class made in Python");
-        return NULL;
-    }
     memcpy(attempt_offsets, offsets, sizeof(offsets));
     Py_INCREF(type);
     Py_XSETREF(attempt_type, type);
