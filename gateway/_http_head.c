@@ -29,6 +29,13 @@
    value of a repeated name wins (as the llhttp callbacks store them). Anything else gives None:
    llhttp reads it.
 
+   Or a whole chunked answer in the one read (a stream that a replica on the gateway's cores wrote
+   all of before the gateway ran again: gateway/answer.py, Answer._lead): "Transfer-Encoding:
+   chunked" (that one value, any case) and no Content-Length, then chunks of "HEX\r\nDATA\r\n" (hex
+   digits only, no extension), the last "0\r\n\r\n" (no trailer) ending the read; the body is the
+   chunks' data joined, as llhttp's body callbacks hand it over. A chunked answer whose end is not
+   in the read goes to llhttp, which keeps the state of a body that goes on.
+
    response_head(status_line, headers, framing, date, close, body) -> bytes | None
 
    A hot response's head, the way gateway/hot_path.py writes it: the status line, each header of
@@ -196,6 +203,50 @@ error:
     return NULL;
 }
 
+/* The size line of the chunk at *at, "HEX\r\n" with 1-15 hex digits: its size, *at moved past it;
+   -1 when the line is not that (or not all in the read). */
+static Py_ssize_t chunk_size(const unsigned char **at, const unsigned char *stop) {
+    const unsigned char *p = *at;
+    Py_ssize_t size = 0;
+    int digits = 0;
+    for (; p < stop && digits <= 15; p++, digits++) {
+        unsigned char c = *p;
+        int value = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                    : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (value < 0) break;
+        size = size * 16 + value;
+    }
+    if (digits == 0 || digits > 15 || stop - p < 2 || p[0] != '\r' || p[1] != '\n') return -1;
+    *at = p + 2;
+    return size;
+}
+
+/* The joined data of the chunks from `p` when they end exactly at `stop` with "0\r\n\r\n"; NULL
+   with no exception set when they do not (the caller falls back to llhttp). Two passes: the first
+   checks the framing and counts the bytes, the second copies them into the one bytes object. */
+static PyObject *whole_chunked(const unsigned char *p, const unsigned char *stop) {
+    Py_ssize_t total = 0;
+    for (const unsigned char *q = p;;) {
+        Py_ssize_t size = chunk_size(&q, stop);
+        if (size < 0) return NULL;
+        if (size == 0) {
+            if (stop - q != 2 || q[0] != '\r' || q[1] != '\n') return NULL;
+            break;
+        }
+        if (stop - q < size + 2 || q[size] != '\r' || q[size + 1] != '\n') return NULL;
+        q += size + 2;
+        total += size;
+    }
+    PyObject *body = PyBytes_FromStringAndSize(NULL, total);
+    if (body == NULL) return NULL;
+    char *w = PyBytes_AS_STRING(body);
+    for (Py_ssize_t size; (size = chunk_size(&p, stop)) > 0; p += size + 2) {
+        memcpy(w, p, (size_t)size);
+        w += size;
+    }
+    return body;
+}
+
 static PyObject *parse_response(PyObject *self, PyObject *data) {
     if (!PyBytes_CheckExact(data)) {
         PyErr_SetString(PyExc_TypeError, "parse_response(data: bytes)");
@@ -223,10 +274,28 @@ static PyObject *parse_response(PyObject *self, PyObject *data) {
         Py_DECREF(headers);
         return NULL;
     }
-    if (read == 0 || PyDict_GetItemString(headers, "transfer-encoding") != NULL ||
-        PyDict_GetItemString(headers, "connection") != NULL)
-        goto fallback;
+    if (read == 0 || PyDict_GetItemString(headers, "connection") != NULL) goto fallback;
     PyObject *length_text = PyDict_GetItemString(headers, "content-length");  /* borrowed */
+    PyObject *coding = PyDict_GetItemString(headers, "transfer-encoding");   /* borrowed */
+    if (coding != NULL) {
+        if (length_text != NULL) goto fallback;
+        Py_ssize_t coding_len;
+        const char *coding_chars = PyUnicode_AsUTF8AndSize(coding, &coding_len);
+        if (coding_chars == NULL) {
+            Py_DECREF(headers);
+            return NULL;
+        }
+        if (!same_name((const unsigned char *)coding_chars, coding_len, "chunked")) goto fallback;
+        PyObject *body = whole_chunked(end + 4, buf + size);
+        if (body == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(headers);
+                return NULL;
+            }
+            goto fallback;
+        }
+        return Py_BuildValue("(lNN)", status, headers, body);
+    }
     if (length_text == NULL) goto fallback;
     Py_ssize_t digits;
     const char *length_chars = PyUnicode_AsUTF8AndSize(length_text, &digits);

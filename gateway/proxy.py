@@ -88,9 +88,11 @@ class _Plan(msgspec.Struct, eq=False):
     def raw(self) -> dict:
         """The replica's copy of the request as a dict (a P/D leg and a resumed stream build their
         bodies from it), decoded from the client's body when its payload was spliced."""
-        if self._raw is None:
-            self._raw = _decode_json(self._body)
-            self._raw["return_token_ids"] = True  # the splice's one change (see _with_token_ids)
+        if self._raw is None:  # the splice's changes (see _with_token_ids)
+            raw = self._raw = _decode_json(self._body)
+            raw["return_token_ids"] = True
+            if self.streamed_upstream:  # a streamed request whose body named no stream_options
+                raw["stream_options"] = {"include_usage": True}
         return self._raw
 
     def hashes(self) -> Sequence[int]:
@@ -243,12 +245,13 @@ class Proxy:
         if not collectable and (gateway.resume_non_stream or router.times_non_stream(model)):
             raw = raw if raw is not None else _decode_json(body)
             collectable = _collectable(raw, body)
-        # The replica's copy: the client's bytes with "return_token_ids": true added when that is the
-        # only change (the usual non-streamed request: no decode and re-encode of a long prompt),
-        # else the edited dict.
+        # The replica's copy: the client's bytes with "return_token_ids": true (and, for a stream,
+        # usage asked for) added when that is the only change (the usual request: no decode and
+        # re-encode of a long prompt), else the edited dict.
         payload = None
-        if raw is None and not collectable and parsed.model == model and parsed.return_token_ids is None:
-            payload = _with_token_ids(body)
+        if raw is None and parsed.model == model and parsed.return_token_ids is None \
+                and (not collectable or parsed.stream):
+            payload = _with_token_ids(body, collectable)
         if payload is None:
             raw = raw if raw is not None else _decode_json(body)
             raw["return_token_ids"] = True
@@ -695,19 +698,24 @@ class Proxy:
             fit_max_tokens(parsed, len(prompt_ids), limit, None)
 
 
-def _with_token_ids(body: bytes) -> bytes | None:
-    """A JSON object's bytes with "return_token_ids": true as their last member, or None when that
-    could clash with a member already there (the key appears in the body at all: as a key, or as
-    a string that looks like one) or the object is empty. Unescaped, `"return_token_ids"` cannot
-    appear inside a JSON string (its quotes would be escaped), so a body without it has no such key
-    spelt plainly; a key spelt with escapes decodes to a value, which sends the request the other way."""
-    if body.find(b'"return_token_ids"') >= 0:  # find, not `in` (see protocol/stream_chunks.py)
+def _with_token_ids(body: bytes, stream: bool = False) -> bytes | None:
+    """A JSON object's bytes with "return_token_ids": true as their last member (`stream`: then
+    "stream_options": {"include_usage": true}), or None when that could clash with a member
+    already there (the key appears in the body at all: as a key, or as a string that looks like
+    one) or the object is empty. Unescaped, `"return_token_ids"` cannot appear inside a JSON string
+    (its quotes would be escaped), so a body without it has no such key spelt plainly; a key spelt
+    with escapes decodes to a value, which sends the request the other way."""
+    # find, not `in` (see protocol/stream_chunks.py)
+    if body.find(b'"return_token_ids"') >= 0 or (stream and body.find(b'"stream_options"') >= 0):
         return None
     end = body.rstrip()
     inner = end[:-1].rstrip()
     if not end.endswith(b"}") or inner.endswith(b"{"):
         return None
-    return inner + b',"return_token_ids":true}'
+    return inner + (_STREAM_SPLICE if stream else b',"return_token_ids":true}')
+
+
+_STREAM_SPLICE = b',"return_token_ids":true,"stream_options":{"include_usage":true}}'
 
 
 def _collectable(raw: dict, body: bytes) -> bool:

@@ -265,12 +265,15 @@ def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole_and_in_order
     reads (bench/README, "Twenty-eighth session"): the gateway's first read then holds every
     event, and it sends the first on its own before taking the rest. The client must still get
     exactly the replica's events in order, with token IDs and the usage chunk only if it asked,
-    and the record every output token ID."""
+    and the record every output token ID. The replica is asked for both, whatever the client
+    asked (the client's own bytes with the two fields spliced in when it named neither)."""
     from aiohttp import web
 
     texts, ids = [" a", " b", " c", " d"], [11, 12, 13, 14]
+    received = []
 
     async def completions(request):
+        received.append(await request.json())
         chunks = [{"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "whole",
                    "choices": [{"index": 0, "text": text, "token_ids": [token],
                                 "finish_reason": "length" if i == len(texts) - 1 else None}]}
@@ -278,10 +281,10 @@ def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole_and_in_order
         chunks.append({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "whole", "choices": [],
                        "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}})
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        response._send_headers_immediately = False  # the head and every event in one write
+        response._send_headers_immediately = False  # the head, every event and the end in one write
         await response.prepare(request)
-        await response.write(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
-                             + b"data: [DONE]\n\n")
+        await response.write_eof(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+                                 + b"data: [DONE]\n\n")
         return response
 
     extra = {"nothing": {}, "token_ids": {"return_token_ids": True},
@@ -290,11 +293,12 @@ def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole_and_in_order
         config, port = gateway_config_over(tmp_path, upstream, "whole")
         with run_gateway(config, port) as server, socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             request_id = f"whole-{asks}"
-            sock.sendall(post("/v1/completions", {"model": "whole", "prompt": "hi", "max_tokens": 4, "stream": True,
-                                                  **extra}, request_id))
+            sent = {"model": "whole", "prompt": "hi", "max_tokens": 4, "stream": True, **extra}
+            sock.sendall(post("/v1/completions", sent, request_id))
             status, _headers, body = read_responses(sock, 1)[0]
             record = Gateway(server, []).record(request_id)
     assert status == 200
+    assert received == [{**sent, "return_token_ids": True, "stream_options": {"include_usage": True}}]
     events = [line[6:] for line in body.split(b"\n\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]

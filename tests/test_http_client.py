@@ -349,7 +349,21 @@ ANSWERS = [  # (one read from a replica, whether the C reader takes it whole; th
     (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),
     (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),
     (b"HTTP/1.1 200 OK\r\n\r\n{}", False),                                     # up to the close
-    (CHUNKED[0] + CHUNKED[1] + CHUNKED[2], False),
+    (CHUNKED[0] + CHUNKED[1] + CHUNKED[2], True),                          # a whole chunked answer
+    (CHUNKED[0], False),                                                   # its head alone
+    (CHUNKED[0] + CHUNKED[1], False),                                      # the rest comes later
+    (CHUNKED[0] + CHUNKED[1] + CHUNKED[2] + b"5\r\nhello\r\n", False),    # more than the answer
+    (CHUNKED[0] + b"0\r\n\r\n", True),                                   # an empty body
+    (CHUNKED[0].replace(b"chunked", b"Chunked") + b"A\r\n0123456789\r\n005\r\nhello\r\n0\r\n\r\n", True),
+    (CHUNKED[0] + b"5;x=1\r\nhello\r\n0\r\n\r\n", False),                # a chunk extension
+    (CHUNKED[0] + b"5\r\nhello\r\n0\r\nX-Trailer: 1\r\n\r\n", False),     # a trailer
+    (CHUNKED[0] + b"5 \r\nhello\r\n0\r\n\r\n", False),
+    (CHUNKED[0] + b"5\r\nhello\n0\r\n\r\n", False),
+    (CHUNKED[0] + b"5\r\nhell\r\n0\r\n\r\n", False),
+    (CHUNKED[0] + b"10000000000000000\r\nhello\r\n0\r\n\r\n", False),     # 17 hex digits
+    (CHUNKED[0].replace(b"chunked", b"gzip, chunked") + b"0\r\n\r\n", False),
+    (CHUNKED[0].replace(b"\r\n\r\n", b"\r\nContent-Length: 5\r\n\r\n") + b"0\r\n\r\n", False),
+    (CHUNKED[0].replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + b"0\r\n\r\n", False),
 ]
 
 
@@ -376,3 +390,43 @@ def test_the_c_answer_reader_reads_a_whole_plain_answer_as_llhttp_does(data, pla
     native = read()
     monkeypatch.setattr(http_client, "NATIVE", False)
     assert native == read()
+
+
+def test_a_whole_chunked_stream_is_read_in_c_as_llhttp_reads_it(monkeypatch):
+    """Streams of SSE events cut into chunks at random (sizes in either case of hex, with leading
+    zeros), whole and cut short: where the C reader takes one, it gives what llhttp gives."""
+    import random
+
+    from gateway import http_client
+    if http_client._plain_response is None:
+        pytest.skip("gateway/_http_head.c was not built (no C compiler at install)")
+    rng = random.Random(11)
+    taken = 0
+    for _ in range(300):
+        body = b"".join(b'data: {"choices":[{"text":"%d"}]}\n\n' % rng.randint(0, 10 ** rng.randint(1, 9))
+                        for _ in range(rng.randint(0, 20)))
+        chunks, at = [], 0
+        while at < len(body):
+            size = rng.randint(1, 90)
+            part = body[at:at + size]
+            digits = rng.choice(["%x", "%X", "00%x"]) % len(part)
+            chunks.append(digits.encode() + b"\r\n" + part + b"\r\n")
+            at += size
+        data = CHUNKED[0] + b"".join(chunks) + b"0\r\n\r\n"
+        if rng.random() < 0.3:
+            data = data[:rng.randint(len(CHUNKED[0]), len(data) - 1)]
+        plain = http_client._plain_response(data)
+        if plain is None:
+            assert data.endswith(b"0\r\n\r\n") is False
+            continue
+        taken += 1
+        assert plain == (200, {"transfer-encoding": "chunked", "content-type": "text/event-stream"}, body)
+        monkeypatch.setattr(http_client, "NATIVE", False)
+        conn = http_client._Connection(asyncio.new_event_loop(), ("h", 1))
+        conn.loop.close()
+        conn._state = http_client._HEAD
+        conn.data_received(data)
+        monkeypatch.setattr(http_client, "NATIVE", True)
+        assert (conn.status, conn.headers, b"".join(conn._body), conn._state) == (plain[0], plain[1], plain[2],
+                                                                                  http_client._DONE)
+    assert taken > 150
