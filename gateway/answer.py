@@ -91,14 +91,18 @@ class Answer(msgspec.Struct, eq=False):
         out in one write (token IDs cut out of the whole batch at once when the client did not
         ask for them). `last`: the replica's answer ended with this read, so when it is complete
         the write waits for the stream's end to go out with it."""
+        now = time.perf_counter()
+        first = None
         if not self._led:
-            lead, events = self._lead(events)
+            lead, events, first = self._lead(events, now)
             if lead:
                 await self.exchange.write(lead)
         out: list[bytes] = []
         try:
-            self._take_events(events, out)
+            self._take_events(events, out, now)
         finally:
+            if first is not None and out and out[0] is first:
+                del out[0]  # it went out ahead (_lead)
             if out and self.spec.stream:
                 await self.exchange.write(self._for_client(out), hold=last and self.finish_reason is not None)
 
@@ -107,39 +111,49 @@ class Answer(msgspec.Struct, eq=False):
         replica connection's data_received for a read that does not end the answer: True when the
         client's buffer is full (drain first)."""
         full = False
+        now = time.perf_counter()
+        first = None
         if not self._led:
-            lead, events = self._lead(events)
+            lead, events, first = self._lead(events, now)
             if lead:
                 full = self.exchange.write_now(lead)
         out: list[bytes] = []
         try:
-            self._take_events(events, out)
+            self._take_events(events, out, now)
         finally:
+            if first is not None and out and out[0] is first:
+                del out[0]  # it went out ahead (_lead)
             if out and self.spec.stream:
                 full = self.exchange.write_now(self._for_client(out)) or full
         return full
 
-    def _lead(self, events: list[bytes]) -> tuple[bytes, list[bytes]]:
-        """For the answer's first read: (the client's bytes of its first event, the events left)
-        when a stream's read holds more than one, so that the first goes out before the rest are
-        decoded and recorded; else (b"", events). A replica that shares the gateway's cores often
-        runs its whole turn before the gateway reads (its wake-up preempts the gateway mid-write:
-        bench/README, "Twenty-eighth session"), so the first read can hold the whole answer; the
-        client's first token then no longer waits for the other events' work (18 events: 203 ->
-        117 us from the replica's bytes to the client's first write, on the bench's stub)."""
+    def _lead(self, events: list[bytes], now: float) -> tuple[bytes, list[bytes], bytes | None]:
+        """For the answer's first read: (the client's bytes of its first event, the events left
+        to take, the first event when it is among them) when a stream's read holds more than one,
+        so that the first goes out before the rest are decoded and recorded; else (b"", events,
+        None). A replica that shares the gateway's cores often runs its whole turn before the
+        gateway reads (its wake-up preempts the gateway mid-write: bench/README, "Twenty-eighth
+        session"), so the first read can hold the whole answer; the client's first token then no
+        longer waits for the other events' work (18 events: 203 -> 117 us from the replica's bytes
+        to the client's first write, on the bench's stub). An event that can pass as it is
+        (_passes_as_is) goes out before it is decoded too: it stays first in the events to take,
+        and the caller drops it from what they give the client."""
         self._led = True
         if len(events) < 2 or not self.spec.stream:
-            return b"", events
+            return b"", events, None
+        first = events[0]
+        if not self.spec.echo_chars and _passes_as_is(first):
+            return self._for_client([first]), events, first
         out: list[bytes] = []
-        self._take_events(events[:1], out)
-        return (self._for_client(out) if out else b""), events[1:]
+        self._take_events(events[:1], out, now)
+        return (self._for_client(out) if out else b""), events[1:], None
 
-    def _take_events(self, events: list[bytes], out: list[bytes]) -> None:
+    def _take_events(self, events: list[bytes], out: list[bytes], now: float | None = None) -> None:
         try:
             kept, chunks = decode_events(events)
         except MalformedEvent as exc:
             raise InBandError(f"malformed stream event: {exc}"[:300]) from None
-        self._on_chunks(kept, chunks, time.perf_counter(), out)
+        self._on_chunks(kept, chunks, time.perf_counter() if now is None else now, out)
 
     def _for_client(self, out: list[bytes]) -> bytes:
         """A read's kept events as the client's bytes (token IDs cut when it did not ask for them)."""
@@ -317,6 +331,16 @@ class Answer(msgspec.Struct, eq=False):
     async def fail_in_band(self, status: int, message: str) -> None:
         """Headers went out, and the answer cannot be finished: say so in the stream, as vLLM does."""
         await self.exchange.close_stream(event(error_body(message, "upstream_error", None, status)) + DONE_EVENT)
+
+
+def _passes_as_is(event: bytes) -> bool:
+    """A stream's first event that the client may get before it is decoded: one data line of one
+    JSON object, with no member that _on_chunks would act on before relaying it (an in-band error,
+    usage, a decode leg's KV stats: any spelling of those keys sends it the decoded way). The
+    first event of an answer needs nothing else: no role chunk was sent yet, nothing echoed. It
+    must hold a choice, spelt compactly (an event with none, and no usage, is not relayed)."""
+    return (event.startswith(b"data: {") and event.endswith(b"}") and event.find(b"\n") < 0
+            and event.find(b'"choices":[{') >= 0 and event.find(b'"error"') < 0 and event.find(b'"usage"') < 0 and event.find(b'"kv_transfer_stats"') < 0)
 
 
 class InBandError(Exception):

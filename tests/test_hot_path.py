@@ -357,12 +357,12 @@ def test_a_client_that_reads_slowly_holds_back_the_replica_and_still_gets_all_of
 
 
 def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_spelling(tmp_path):
-    """The replica's copy of a non-streamed request is the client's own bytes with
-    "return_token_ids": true added (or, when the body names that key or the gateway edits it, the
-    edited object): every field the client sent arrives, the replica is always asked for token
-    IDs, and the client gets them only if it asked."""
+    """The replica's copy of a request is the client's own bytes with "return_token_ids": true
+    added, and for a stream "stream_options": {"include_usage": true} (or, when the body names
+    either key or the gateway edits it, the edited object): every field the client sent arrives,
+    the replica is always asked for token IDs (and a stream's usage), and the client gets them
+    only if it asked."""
     from aiohttp import web
-
 
     received: list[dict] = []
     received_bytes: list[bytes] = []
@@ -372,6 +372,22 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
         body = json.loads(received_bytes[-1])  # the replica's parser: last duplicate wins, as vLLM's
         received.append(body)
         ids = [5, 6, 7] if body.get("return_token_ids") else None
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            for i, text in enumerate([" x", " y", " z"]):
+                choice = {"index": 0, "text": text, "finish_reason": "length" if i == 2 else None}
+                if ids:
+                    choice["token_ids"] = [ids[i]]
+                await response.write(b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion",
+                                                             "created": 1, "model": "echo",
+                                                             "choices": [choice]}).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"echo",'
+                                     b'"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3,'
+                                     b'"total_tokens":5}}\n\n')
+            await response.write(b"data: [DONE]\n\n")
+            return response
         return web.json_response({
             "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "echo",
             "choices": [{"index": 0, "text": " x y z", "finish_reason": "length", "token_ids": ids,
@@ -386,6 +402,11 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
         "declines": (b'{"model": "echo", "prompt": "hi", "max_tokens": 3, "return_token_ids": false}', False),
         "value": (b'{"model": "echo", "prompt": "return_token_ids", "max_tokens": 3}', None),
         "no-model": (b'{"prompt": "hi", "max_tokens": 3, "vendor_y": null}', None),
+        "stream": (pretty.replace(b'"max_tokens": 3,', b'"max_tokens": 3, "stream": true,'), None),
+        "stream-asks": (b'{"model": "echo", "prompt": "hi", "max_tokens": 3, "stream": true, '
+                        b'"stream_options": {"include_usage": true}, "return_token_ids": true}', True),
+        "stream-no-usage": (b'{"model": "echo", "prompt": "hi", "max_tokens": 3, "stream": true, '
+                            b'"stream_options": {"include_usage": false}}', False),
     }
     with openai_upstream("echo", completions) as upstream:
         config, port = gateway_config_over(tmp_path, upstream, "echo")
@@ -398,11 +419,23 @@ def test_the_replica_gets_the_clients_body_with_return_token_ids_whatever_its_sp
                 sent = received[-1]
                 client = json.loads(raw)
                 assert sent["return_token_ids"] is True and sent["model"] == "echo", name
-                assert all(sent[key] == value for key, value in client.items() if key != "return_token_ids"), name
-                assert ("token_ids" in reply["choices"][0]) == bool(asked), (name, reply)
-                assert gateway.record(f"splice-{name}")["output_token_ids"] == [5, 6, 7], name
-            # The usual body went as the client wrote it (its spacing too), one member longer.
+                assert all(sent[key] == value for key, value in client.items()
+                           if key not in ("return_token_ids", "stream_options")), name
+                record = gateway.record(f"splice-{name}")
+                assert record["output_token_ids"] == [5, 6, 7], name
+                if client.get("stream"):
+                    assert sent["stream_options"] == {"include_usage": True}, name
+                    chunks = [json.loads(line[6:]) for line in reply.split("\n\n") if line.startswith("data: {")]
+                    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " x y z", name
+                    assert any("token_ids" in c["choices"][0] for c in chunks if c["choices"]) == bool(asked), name
+                    assert any(c.get("usage") for c in chunks) == bool(asked), name
+                    assert record["completion_tokens"] == 3 and record["prompt_tokens"] == 2, name
+                else:
+                    assert ("token_ids" in reply["choices"][0]) == bool(asked), (name, reply)
+            # The usual bodies went as the client wrote them (their spacing too), with the members added.
             assert received_bytes[0] == pretty.rstrip()[:-1].rstrip() + b',"return_token_ids":true}'
+            assert received_bytes[5] == bodies["stream"][0].rstrip()[:-1].rstrip() + \
+                b',"return_token_ids":true,"stream_options":{"include_usage":true}}'
 
 
 def test_a_non_streamed_answer_goes_through_as_the_replicas_bytes_without_the_ids_not_asked_for(tmp_path):
@@ -548,3 +581,77 @@ def test_the_c_head_reader_reads_a_plain_head_as_llhttp_does_and_leaves_the_rest
     native = parsed()
     monkeypatch.setattr(hot_path, "NATIVE", False)
     assert native == parsed()
+
+
+def test_a_first_event_sent_ahead_undecoded_reaches_the_client_as_the_decoded_one_would(monkeypatch):
+    """A stream's first read of several events sends the first one before decoding it when it can
+    pass as it is (gateway/answer.py _passes_as_is): the client's bytes, the answer's state and
+    the record must be what decoding it first gives, whatever the first event holds (a role chunk,
+    no choice, usage, an error, a KV transfer's stats, loose spacing, echo, IDs asked for or not)."""
+    from gateway import answer as answer_module
+    from gateway.answer import Answer, AnswerSpec, InBandError
+    from gateway.exchange import Exchange
+    from observability.request_log import RequestRecord
+
+    class Sink(Exchange):  # what the client's connection gets, write by write
+        pushes = True
+
+        def __init__(self):
+            self.writes = []
+
+        def write_now(self, data, hold=False):
+            self.writes.append(data)
+            return False
+
+    def ev(obj, compact=True) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":") if compact else None).encode()
+
+    base = {"id": "c-1", "object": "text_completion", "created": 1, "model": "m"}
+    text = lambda t, i, **more: ev({**base, "choices": [{"index": 0, "text": t, "token_ids": [i], **more}]})
+    role = ev({**base, "object": "chat.completion.chunk", "prompt_token_ids": [1, 2],
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    delta = lambda t, i: ev({**base, "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"content": t}, "token_ids": [i]}]})
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    firsts = {
+        "plain": (False, text(" a", 5, prompt_token_ids=[1, 2])),
+        "chat-role": (True, role),
+        "no-choice": (False, ev({**base, "choices": []})),
+        "usage": (False, ev({**base, "choices": [], "usage": usage})),
+        "usage-in-choice": (False, ev({**base, "choices": [{"index": 0, "text": " a", "token_ids": [5]}],
+                                       "usage": usage})),
+        "error-text": (False, text(' an "error"', 5)),
+        "error": (False, ev({**base, "error": {"message": "boom"}})),
+        "kv-stats": (False, ev({**base, "kv_transfer_stats": {"kv_transfer_bytes": 9},
+                                "choices": [{"index": 0, "text": " a", "token_ids": [5]}]})),
+        "spaced": (False, ev({**base, "choices": [{"index": 0, "text": " a", "token_ids": [5]}]}, compact=False)),
+        "finished": (False, text(" a", 5, finish_reason="stop")),
+    }
+
+    passes_as_is = answer_module._passes_as_is
+
+    def run(chat, first, ids, usage_wanted, echo, ahead):
+        monkeypatch.setattr(answer_module, "_passes_as_is", passes_as_is if ahead else lambda e: False)
+        record = RequestRecord("r", "/v1/chat/completions" if chat else "/v1/completions", 0.0)
+        sink = Sink()
+        answer = Answer(AnswerSpec(chat, True, "m", ids, usage_wanted, [], True, echo), record, {}, sink)
+        rest = [delta(" b", 6), delta(" c", 7)] if chat else [text(" b", 6), text(" c", 7, finish_reason="length")]
+        try:
+            answer.on_events_now([first] + rest)
+            failed = None
+        except InBandError as exc:
+            failed = str(exc)
+        return (sink.writes, failed, answer.finish_reason, answer.texts, answer.emitted_chars, answer.opening_sent,
+                answer.prompt_token_ids, record.output_token_ids, record.prompt_tokens, record.error,
+                record.first_token_s is not None)
+
+    ahead_taken = 0
+    for name, (chat, first) in firsts.items():
+        for ids in (False, True):
+            for usage_wanted in (False, True):
+                for echo in (0, 1):
+                    decoded = run(chat, first, ids, usage_wanted, echo, ahead=False)
+                    ahead = run(chat, first, ids, usage_wanted, echo, ahead=True)
+                    assert ahead == decoded, (name, ids, usage_wanted, echo)
+                    ahead_taken += passes_as_is(first) and not echo
+    assert ahead_taken == 4 * 4  # plain, chat-role, error-text, finished: IDs asked or not, usage or not
