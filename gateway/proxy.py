@@ -621,8 +621,6 @@ class Proxy:
         finally:
             if upstream is not None:
                 upstream.release()
-        attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
-        attempt.first_token()
         wants_token_ids = bool(plan.parsed.return_token_ids)
         if not wants_token_ids:  # the prompt's IDs, echoed: cut before reading the rest (the record has ours)
             body = strip_prompt_token_ids(body)
@@ -640,6 +638,8 @@ class Proxy:
             if not exchange.respond_now(200, out, reply_headers):
                 await exchange.respond(200, out, reply_headers)
         finally:
+            attempt.prefill_sample = False  # this "first token" is the whole answer, decode included
+            attempt.first_token()
             self.pool.report(replica, ok=True)
             choice = reply.choices[0] if reply.choices else None
             record.output_token_ids = (choice.token_ids or []) if choice is not None else []  # the reply's own list

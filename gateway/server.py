@@ -48,6 +48,7 @@ def build_app(config: Config, config_path: str | None = None, launcher=None,
     pool = ReplicaPool(config, metrics)
     router = Router(config, metrics)
     request_log = RequestLog(config.logging.token_ids, observe=metrics.observe_records)
+    metrics.before_collect = request_log.flush_if_on_loop  # /metrics counts every request answered
     gate = Gate(config, admin_token)
     guard = ConnectionGuard(config.limits, config.gateway.max_body_bytes)
     door = FrontDoor(gate, guard, request_log, metrics, lambda: router.config.routing.session_header)

@@ -38,6 +38,8 @@ class _FlushFirst:
         self.metrics = metrics
 
     def collect(self):
+        if self.metrics.before_collect is not None:
+            self.metrics.before_collect()  # the records still pending (RequestLog.flush_if_on_loop)
         self.metrics.flush()
         return []
 
@@ -66,6 +68,7 @@ class GatewayMetrics:
         r = self.registry
         self._lock = threading.Lock()
         self._reset_pending()
+        self.before_collect = None  # called first at each collection (the gateway: its request log's flush)
         r.register(_FlushFirst(self))
         self.requests = Counter("kvgate_requests", "Requests answered, by replica and HTTP status.",
                                 ["replica", "status"], registry=r)

@@ -196,16 +196,23 @@ if _native_line is not None:  # what the C line reads and makes
                     time.perf_counter)
 
 
+# How long a bound request log gathers records before writing them (see RequestLog).
+FLUSH_DELAY_S = 0.001
+
+
 class RequestLog:
     """Emits records with the configured token-ID policy; a second emit of one record is a no-op.
 
     In JSON mode a record goes to the log writer (observability/logs.py json_sink: msgspec
     encodes on the loop, the write on the writer thread); otherwise, or with a `logger` of its
     own, through structlog. Bound to the serving loop (`bind`), the records emitted on it are
-    written together once a loop turn (`flush`): a record's line, its encoding and the writer's
-    handover each cost ~3x more one at a time between requests than run back to back (CPU a
-    request at saturation, bench/README, "Thirty-third session"). `flush()` writes what is
-    pending at once (the gateway's shutdown; the process's exit)."""
+    written together FLUSH_DELAY_S after the first of them (`flush`): a record's line, its
+    encoding and the writer's handover each cost ~3x more one at a time between requests than run
+    back to back (CPU a request at saturation, bench/README, "Thirty-third session"), and a lone
+    request's client, woken onto the gateway's core by its answer, reads it before the gateway
+    writes the record rather than after (a timer, not the loop's next turn: the loop sleeps first).
+    `flush()` writes what is pending at once (the gateway's shutdown, the process's exit, and the
+    metrics' collection: `flush_if_on_loop`)."""
 
     def __init__(self, token_ids: TokenIdPolicy = "full", logger=None, observe=None) -> None:
         self.token_ids = token_ids
@@ -231,10 +238,17 @@ class RequestLog:
             pending = self._pending
             pending.append(record)
             if len(pending) == 1:
-                self._loop.call_soon(self.flush)
+                self._loop.call_later(FLUSH_DELAY_S, self.flush)
             return True
         self._finish([record])
         return True
+
+    def flush_if_on_loop(self) -> None:
+        """flush(), when called on the loop's thread (or unbound): the metrics' collection calls it,
+        so that /metrics counts every answered request; another thread's collection (none in the
+        gateway) leaves the pending records to the loop."""
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            self.flush()
 
     def flush(self) -> None:
         """Write the records emitted and not written yet, in order."""

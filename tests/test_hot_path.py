@@ -100,6 +100,22 @@ def test_pipelined_and_piecemeal_requests_are_answered_in_order(gateway):
         assert record["status"] == 200 and len(record["output_token_ids"]) in (3, 4) and record["prompt_token_ids"]
 
 
+def test_metrics_asked_right_after_answers_count_them(gateway):
+    """The request log writes its records (and folds them into the metrics) a moment after they
+    end, off the answered client's wait; /metrics asked at once, pipelined behind the requests,
+    must count every one of them all the same."""
+    from tests.test_gateway import metric
+
+    ids = [f"counted-{uuid.uuid4().hex[:8]}-{n}" for n in range(3)]
+    before = metric(http("GET", gateway.server.url + "/metrics")[2], "kvgate_requests_total", status="200")
+    with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:
+        sock.sendall(b"".join(post("/v1/completions", COMPLETION, request_id) for request_id in ids)
+                     + b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n")
+        answers = read_responses(sock, 4)
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert metric(answers[3][2].decode(), "kvgate_requests_total", status="200") == before + 3
+
+
 def test_a_connection_asking_for_anything_else_goes_to_aiohttp_and_keeps_working(gateway):
     request_id = f"after-health-{uuid.uuid4().hex[:8]}"
     with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=10) as sock:

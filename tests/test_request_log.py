@@ -3,12 +3,13 @@ import asyncio
 import io
 import json
 import random
+import time
 
 import msgspec
 import pytest
 import structlog
 
-from observability.request_log import RequestLog, RequestRecord, hashed_ids
+from observability.request_log import FLUSH_DELAY_S, RequestLog, RequestRecord, hashed_ids
 
 
 def emitted(policy: str) -> dict:
@@ -65,7 +66,7 @@ class _BrokenRouting:
         raise RuntimeError("explanation failed")
 
 
-def test_records_of_a_loop_turn_are_written_together_in_order_and_a_broken_one_costs_only_its_own_line():
+def test_records_emitted_together_are_written_together_in_order_and_a_broken_one_costs_only_its_own_line():
     out = io.StringIO()
     logger = structlog.wrap_logger(structlog.PrintLogger(out), processors=[structlog.processors.JSONRenderer()])
     log = RequestLog("full", logger)
@@ -79,9 +80,11 @@ def test_records_of_a_loop_turn_are_written_together_in_order_and_a_broken_one_c
                 record.routing = _BrokenRouting()
             assert log.emit(record) is True
             assert log.emit(record) is False  # still one line a request
-        before = len(out.getvalue().splitlines())  # nothing yet: the turn is not over
         await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        before = len(out.getvalue().splitlines())  # nothing yet: they wait FLUSH_DELAY_S
+        deadline = time.monotonic() + 2.0
+        while not out.getvalue() and time.monotonic() < deadline:
+            await asyncio.sleep(FLUSH_DELAY_S)
         return before, len(out.getvalue().splitlines())
 
     before, after = asyncio.run(turn())
