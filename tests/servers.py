@@ -12,6 +12,7 @@ full pipe; `logs()` reads it, and a server that dies or never gets healthy fails
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +32,39 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEALTH_POLL_S = 0.1  # another process's readiness has no event to await: poll, bounded below
 
 
-_HANDED_OUT: set[int] = set()
+_PORT_CLAIMS = Path(tempfile.gettempdir()) / "kvgate-test-ports"
+_CLAIM_FILES: list = []  # open for the life of the process: the kernel drops the locks when it exits
+
+
+def _claim(port: int) -> bool:
+    """Whether no other live process (pytest-xdist's other workers, a bench next to the tests)
+    holds port: an exclusive flock on a file named after it, kept until this process exits, so a
+    claim never goes stale and nothing needs cleaning up."""
+    _PORT_CLAIMS.mkdir(exist_ok=True)
+    handle = open(_PORT_CLAIMS / str(port), "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return False
+    _CLAIM_FILES.append(handle)
+    return True
 
 
 def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago and that this process has not handed
-    out before. Linux picks bind(0)'s port at random, so two calls in a row can return the same
-    one (a CI run once got a gateway port equal to a replica's); remembering them rules that out
-    within a test process. A port is never given back: a run uses a few hundred of ~28k."""
+    """An ephemeral loopback port that was free a moment ago and that no test or bench process has
+    handed out before. Linux picks bind(0)'s port at random, so two calls in a row, or in two
+    xdist workers, can return the same one: a CI run once got a gateway port equal to a replica's,
+    and another saw its replica's /health answered by another worker's gateway on the same port
+    while its own replica could not bind. A port is never given back: a run uses a few hundred of
+    ~28k."""
     for _ in range(1000):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
+        if _claim(port):  # flock conflicts with this process's own earlier claims too
             return port
-    raise RuntimeError("no loopback port free that this process has not handed out already")
+    raise RuntimeError("no loopback port free that no test process has handed out already")
 
 
 @dataclass
@@ -75,6 +94,46 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def _listeners(port: int) -> set[str]:
+    """The socket inodes listening on port, any address, from the kernel's tables."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _family(pid: int) -> set[int]:
+    """pid and every process below it (a gateway's workers, `kvgate up`'s children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    family, todo = set(), [pid]
+    while todo:
+        family.add(todo[-1])
+        todo += [child for child in children.get(todo.pop(), ()) if child not in family]
+    return family
+
+
+def _someone_else_listens(pid: int, port: int) -> bool:
+    """Whether port's listener belongs to no process in pid's family: a server that lost the port
+    to another process (its bind failed late, after loading a model) must not be mistaken for it."""
+    inodes = _listeners(port)
+    for member in _family(pid):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{member}/fd/{fd}") in inodes:
+                        return False
+    return bool(inodes)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -112,6 +171,10 @@ def run_process(argv: Sequence[str], health_url: str, *, port: int, env: dict | 
                 raise ServerStartError(f"{name} not healthy at {health_url} after {startup_timeout_s:.0f}s:"
                                        f"\n{server.logs()[-4000:]}")
             time.sleep(HEALTH_POLL_S)
+        health_port = urllib.parse.urlsplit(health_url).port
+        if health_port is not None and _someone_else_listens(proc.pid, health_port):
+            raise ServerStartError(f"{health_url} is answered by another process, not this {name}:"
+                                   f"\n{server.logs()[-4000:]}")
         yield server
     finally:
         stop_process(proc, stop_timeout_s)
