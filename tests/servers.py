@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import psutil
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEALTH_POLL_S = 0.1  # another process's readiness has no event to await: poll, bounded below
 
@@ -96,44 +98,20 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _listeners(port: int) -> set[str]:
-    """The socket inodes listening on port, any address, from the kernel's tables."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    inodes.add(f"socket:[{fields[9]}]")
-    return inodes
-
-
-def _family(pid: int) -> set[int]:
-    """pid and every process below it (a gateway's workers, `kvgate up`'s children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    family, todo = set(), [pid]
-    while todo:
-        family.add(todo[-1])
-        todo += [child for child in children.get(todo.pop(), ()) if child not in family]
-    return family
-
-
-def _someone_else_listens(pid: int, port: int) -> bool:
-    """Whether port's listener belongs to no process in pid's family: a server that lost the port
-    to another process (its bind failed late, after loading a model) must not be mistaken for it."""
-    inodes = _listeners(port)
-    for member in _family(pid):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{member}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{member}/fd/{fd}") in inodes:
-                        return False
-    return bool(inodes)
+def _listens(pid: int, port: int) -> bool:
+    """Whether pid or a process it started (a gateway's workers, `kvgate up`'s children) listens on
+    port: a server that lost its port to another process (its bind failed late, after loading a
+    model) must not be mistaken for whatever answers there."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in member.net_connections("tcp")):
+                return True
+    return False
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -172,7 +150,7 @@ def run_process(argv: Sequence[str], health_url: str, *, port: int, env: dict | 
                                        f"\n{server.logs()[-4000:]}")
             time.sleep(HEALTH_POLL_S)
         health_port = urllib.parse.urlsplit(health_url).port
-        if health_port is not None and _someone_else_listens(proc.pid, health_port):
+        if health_port is not None and not _listens(proc.pid, health_port):
             raise ServerStartError(f"{health_url} is answered by another process, not this {name}:"
                                    f"\n{server.logs()[-4000:]}")
         yield server

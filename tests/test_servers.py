@@ -8,7 +8,7 @@ import pytest
 
 from tests.servers import REPO_ROOT, ServerStartError, _claim, free_port, run_process
 
-HOLD_A_PORT = ("import sys, time; from tests.servers import free_port; "
+HOLD_A_PORT = ("import sys; from tests.servers import free_port; "
                "print(free_port(), flush=True); sys.stdin.read()")
 
 
